@@ -1,0 +1,302 @@
+"""Sync building blocks of the tokenizer actor: load, encode, detokenize incrementally, match stops.
+
+Nothing here awaits or touches trio; the actor calls these functions and owns one
+`IncrementalDetokenizer` and one `StopMatcher` per request.
+
+Chat prompts follow DeepSeek-V4's `encoding/encoding_dsv4.py` (`encode_messages` with
+`drop_thinking=True`, no tools, no tasks, no reasoning-effort preamble):
+
+    <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜>
+    <｜User｜>{user}<｜Assistant｜><think>        (thinking=True; `</think>` when thinking=False)
+
+Earlier assistant turns render as `{content}<｜end▁of▁sentence｜>` (their reasoning is dropped), and
+consecutive user messages merge into one turn joined by a blank line, as the official encoder does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+CHAT_ROLES = ("system", "user", "assistant")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+_REPLACEMENT = "\ufffd"
+_NUM_CONTEXT_TOKENS = 4  # prompt tail decoded as context before the first output token
+_MAX_HELD_TOKENS = 8  # held (undecodable) tokens before looking for an inner boundary
+_MAX_BOUNDARY_TRIES = 4
+
+
+class TokenizerError(ValueError):
+    """Tokenizer files are missing/unreadable, or a request's prompt or messages are invalid."""
+
+
+class SupportsDecode(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+# ---------------------------------------------------------------- loading / raw prompts
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
+    """Load the fast tokenizer from `tokenizer.json` + `tokenizer_config.json` in `model_dir`."""
+    missing = [name for name in TOKENIZER_FILES if not (Path(model_dir) / name).is_file()]
+    if missing:
+        raise TokenizerError(f"tokenizer files missing in {model_dir}: {', '.join(missing)}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # transformers raises many types; report them as one
+        raise TokenizerError(f"cannot load tokenizer from {model_dir}: {exc}") from exc
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise TokenizerError(f"{model_dir}: expected a fast tokenizer, got {type(tok).__name__}")
+    if tok.bos_token_id is None:
+        raise TokenizerError(f"{model_dir}: tokenizer config defines no bos_token")
+    return tok
+
+
+def encode_prompt(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Ids of a raw completion prompt: BOS + text.
+
+    The config says `add_bos_token: false`, but DeepSeek prompts always start with BOS, so it is
+    prepended here, unless `text` already starts with the BOS string (then it is not doubled).
+    Special-token strings inside `text` become their tokens: a raw prompt is trusted as written.
+    """
+    if not isinstance(text, str):
+        raise TokenizerError(f"prompt must be a string, got {type(text).__name__}")
+    bos_id, bos_text = tok.bos_token_id, tok.bos_token
+    if bos_id is None or not isinstance(bos_text, str):
+        raise TokenizerError("tokenizer has no bos_token")
+    ids = list(tok.encode(text, add_special_tokens=False))
+    return ids if text.startswith(bos_text) else [bos_id, *ids]
+
+
+# ---------------------------------------------------------------- chat
+
+
+def encode_chat(
+    tok: PreTrainedTokenizerFast, messages: Sequence[Mapping[str, object]], thinking: bool = False
+) -> list[int]:
+    """Ids of a DeepSeek-V4 chat prompt ending in `<｜Assistant｜><think>` or `<｜Assistant｜></think>`."""
+    return list(tok.encode(render_chat(messages, thinking), add_special_tokens=False))
+
+
+def render_chat(messages: Sequence[Mapping[str, object]], thinking: bool = False) -> str:
+    """The prompt string for `messages` (roles system/user/assistant; the last one must be user).
+
+    Special-token strings inside message contents are tokenized as tokens, as in the official encoder.
+    """
+    turns = _merge_user_turns([_validate_message(i, m) for i, m in enumerate(_as_list(messages))])
+    if turns[-1][0] != "user":
+        raise TokenizerError(f"the last message must have role 'user', got '{turns[-1][0]}'")
+    parts = [BOS]
+    for i, (role, content) in enumerate(turns):
+        next_role = turns[i + 1][0] if i + 1 < len(turns) else None
+        if role == "system":
+            parts.append(content)
+        elif role == "assistant":
+            parts.append(content + EOS)  # earlier turns: reasoning dropped
+        else:
+            parts.append(USER + content)
+            if next_role is None:
+                parts.append(ASSISTANT + (THINK_START if thinking else THINK_END))
+            elif next_role == "assistant":
+                parts.append(ASSISTANT + THINK_END)
+    return "".join(parts)
+
+
+def _as_list(messages: object) -> list[object]:
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
+        raise TokenizerError("messages must be a non-empty list of message objects")
+    return list(messages)
+
+
+def _validate_message(index: int, message: object) -> tuple[str, str]:
+    if not isinstance(message, Mapping):
+        raise TokenizerError(f"messages[{index}] must be an object, got {type(message).__name__}")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise TokenizerError(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+    for key in ("tools", "tool_calls"):
+        if message.get(key):
+            raise TokenizerError(f"messages[{index}].{key} is not supported")
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise TokenizerError(f"messages[{index}].reasoning_content must be a string")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        return "assistant", ""
+    return str(role), _content_text(index, content)
+
+
+def _content_text(index: int, content: object) -> str:
+    """A string, or a list of `{"type": "text", "text": str}` parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [_text_of_part(part) for part in content]
+        strings = [text for text in texts if text is not None]
+        if len(strings) == len(content):
+            return "\n".join(strings)
+    raise TokenizerError(
+        f"messages[{index}].content must be a string or a list of text parts, got {type(content).__name__}"
+    )
+
+
+def _text_of_part(part: object) -> str | None:
+    if isinstance(part, Mapping) and part.get("type") == "text":
+        text = part.get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _merge_user_turns(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    merged: list[tuple[str, str]] = []
+    for role, content in messages:
+        if role == "user" and merged and merged[-1][0] == "user":
+            merged[-1] = ("user", merged[-1][1] + "\n\n" + content)
+        else:
+            merged.append((role, content))
+    return merged
+
+
+# ---------------------------------------------------------------- incremental detokenization
+
+
+class IncrementalDetokenizer:
+    """Turns streamed output ids into text deltas that never end inside a UTF-8 character.
+
+    Contract (byte-level tokenizers such as DeepSeek-V4's): the concatenation of every `push`
+    result and the final `flush` equals `tok.decode(all_output_ids, skip_special_tokens=...)`.
+    A trailing U+FFFD (an incomplete character a later token may complete) is held back.
+
+    State: only a window of recent ids is kept and decoded, so each push costs O(new tokens)
+    amortised. `_window[:_read]` is fully emitted and ends on a character boundary
+    (`_read_text` is its decoded text); `_pending` counts characters after it already emitted.
+    """
+
+    def __init__(
+        self, tok: SupportsDecode, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tok = tok
+        self._skip = skip_special_tokens
+        context = list(prompt_ids)[-_NUM_CONTEXT_TOKENS:]
+        text = self._decode(context)
+        if text.endswith(_REPLACEMENT):  # the prompt ends inside a character: start clean
+            context, text = [], ""
+        self._window, self._read, self._read_text, self._pending = context, len(context), text, 0
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add output ids; return the newly decodable text (possibly empty)."""
+        if not new_ids:
+            return ""
+        self._window.extend(new_ids)
+        new_text = self._decode(self._window)[len(self._read_text) :]
+        complete = not new_text.endswith(_REPLACEMENT)
+        stable = len(new_text) if complete else len(new_text) - 1
+        delta = new_text[self._pending : stable]
+        self._pending = max(self._pending, stable)
+        if complete:
+            self._advance(len(self._window), 0)
+        elif len(self._window) - self._read > _MAX_HELD_TOKENS:
+            self._advance_held()
+        return delta
+
+    def flush(self) -> str:
+        """Return whatever is still held (a final U+FFFD included) and reset to an empty window."""
+        text = self._decode(self._window)[len(self._read_text) + self._pending :]
+        self._window, self._read, self._read_text, self._pending = [], 0, "", 0
+        return text
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        text = self._tok.decode(ids, skip_special_tokens=self._skip)
+        assert isinstance(text, str), "decode of one id list returns one string"
+        return text
+
+    def _advance(self, boundary: int, pending: int) -> None:
+        """Make the old read offset the window start and `boundary` the new read offset."""
+        self._window = self._window[self._read :]
+        self._read = boundary - self._read
+        self._read_text = self._decode(self._window[: self._read])
+        self._pending = pending
+
+    def _advance_held(self) -> None:
+        # A long run of held ids (e.g. invalid bytes): find a recent id boundary that splits the text
+        # exactly, with a non-empty right side (so later ids cannot merge across it).
+        full = self._decode(self._window)
+        emitted = len(self._read_text) + self._pending
+        for cut in range(len(self._window) - 1, len(self._window) - 1 - _MAX_BOUNDARY_TRIES, -1):
+            if cut <= self._read:
+                return
+            left, right = self._decode(self._window[:cut]), self._decode(self._window[cut:])
+            if right and left + right == full:
+                assert len(left) <= emitted, "all but the held last character is already emitted"
+                self._advance(cut, emitted - len(left))
+                return
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+class StopMatcher:
+    """Finds stop strings in a stream of text deltas, including stops split across deltas.
+
+    `push` holds back the longest tail that could still start a stop string. On a hit it returns
+    the text before the stop and `True`; later pushes return `("", True)`. When several stops
+    match, the one ending first wins (ties: the longest), so the result does not depend on how
+    the text was chunked. `matched` names the stop string that hit.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        if isinstance(stops, str):
+            raise TokenizerError("stops must be a list of strings, not a string")
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise TokenizerError("stop strings must be non-empty strings")
+        self._stops = tuple(dict.fromkeys(stops))
+        self._prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
+        self._max_held = max((len(s) - 1 for s in self._stops), default=0)
+        self._held = ""
+        self.matched: str | None = None
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Feed one text delta; return (text safe to emit, whether a stop string was hit)."""
+        if self.matched is not None:
+            return "", True
+        text = self._held + delta
+        hit = self._first_hit(text)
+        if hit is not None:
+            start, self.matched = hit
+            self._held = ""
+            return text[:start], True
+        keep = self._held_len(text)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """End of stream without a hit: return the held tail."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_hit(self, text: str) -> tuple[int, str] | None:
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stops:
+            start = text.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
+
+    def _held_len(self, text: str) -> int:
+        for size in range(min(len(text), self._max_held), 0, -1):
+            if text[-size:] in self._prefixes:
+                return size
+        return 0

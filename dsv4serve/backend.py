@@ -1,0 +1,51 @@
+"""One dispatch of the heavy ops, chosen once at start-up.
+
+Each op family has the pure-PyTorch reference (the executable spec, used on the CPU); faster
+implementations for `cuda` (Triton) and `npu` (torch_npu) plug in with the same signatures.
+Call sites never branch on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from dsv4serve.attention import core
+from dsv4serve.attention.hadamard import hadamard_transform
+
+from dsv4serve.moe.experts import routed_experts_reference
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    sink_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    pool_windows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    indexer_scores: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    routed_experts: Callable[..., torch.Tensor]
+    hadamard: Callable[[torch.Tensor], torch.Tensor]
+
+
+REFERENCE = Backend(
+    name="reference",
+    sink_attention=core.sink_attention,
+    pool_windows=core.pool_windows,
+    indexer_scores=core.indexer_scores,
+    routed_experts=routed_experts_reference,
+    hadamard=hadamard_transform,
+)
+
+
+def select_backend(device: str) -> Backend:
+    """The backend for a device kind: 'cpu' -> reference; 'cuda' / 'npu' -> their kernels where
+    they exist, the reference elsewhere."""
+    kind = device.split(":")[0]
+    if kind == "cpu":
+        return replace(REFERENCE, name="cpu")
+    if kind == "cuda":
+        return replace(REFERENCE, name="cuda")
+    if kind == "npu":
+        return replace(REFERENCE, name="npu")
+    raise ValueError(f"unknown device {device!r}")

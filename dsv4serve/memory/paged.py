@@ -1,0 +1,162 @@
+"""Paged slot spaces: pool names and sizes, a pool's free pages, and one request's run of pages.
+
+Slot id = page * P + offset. Physical page 0 of every pool is the skip sentinel and is never handed
+out. A request's logical index i (raw position, or compressed index) lives in logical page i // P,
+which maps to one physical page, so slot(i) = phys[i // P] * P + i % P and slot % P == i % P.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import deque
+from dataclasses import dataclass
+
+from dsv4serve.config import EngineConfig, ModelConfig, npu_state_pool_size, ring_size
+from dsv4serve.protocol import SLOT_DTYPE
+
+POOL_NAMES = ("full", "swa", "c4", "c128", "c4_state", "c128_state")
+STATE_POOLS = ("c4_state", "c128_state")
+
+
+def keep_start(ratio: int, n: int) -> int:
+    """First raw position whose compressor-state row must stay live once a request holds n tokens.
+
+    Ratio 4: the last closed window (its half A feeds the next window) plus the open window.
+    Other ratios: the open window only.
+    """
+    if ratio == 4:
+        return max(0, (n // 4 - 1) * 4)
+    return (n // ratio) * ratio
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """Pages per pool, not counting the sentinel page 0 (a buffer holds pages + 1).
+
+    In ring state mode the two state fields are storage pages only: enough for
+    (max_num_seqs + 1) rings, the extra one being the sentinel bank.
+    """
+
+    full: int
+    swa: int
+    c4: int
+    c128: int
+    c4_state: int
+    c128_state: int
+
+    def pages(self, pool: str) -> int:
+        return int(getattr(self, pool))
+
+    @classmethod
+    def for_engine(cls, model: ModelConfig, engine: EngineConfig) -> PoolSizes:
+        page, seqs = engine.page_size, engine.max_num_seqs
+        hca, has_c4 = model.hca_ratio, 4 in model.compress_ratio_set
+        full = math.ceil(engine.max_total_tokens / page)
+        swa_per_seq = math.ceil((model.sliding_window - 1) / page) + 2
+        swa = min(full, seqs * swa_per_seq + math.ceil(engine.max_num_batched_tokens / page))
+        c4 = math.ceil(engine.max_total_tokens / 4 / page) + seqs if has_c4 else 0
+        c128 = math.ceil(engine.max_total_tokens / hca / page) + seqs if hca else 0
+        return cls(
+            full=full,
+            swa=swa,
+            c4=c4,
+            c128=c128,
+            c4_state=_state_pages(4, engine) if has_c4 else 0,
+            c128_state=_state_pages(hca, engine) if hca else 0,
+        )
+
+
+def _state_pages(ratio: int, engine: EngineConfig) -> int:
+    page, seqs = engine.page_size, engine.max_num_seqs
+    if engine.state_mode == "ring":
+        return math.ceil((seqs + 1) * ring_size(ratio) / page)
+    return npu_state_pool_size(ratio, page, seqs) // page
+
+
+class PagePool:
+    """The free physical pages 1..num_pages of one pool (page 0 is the sentinel).
+
+    First in, first out: a page freed now is handed out again as late as possible.
+    """
+
+    __slots__ = ("_free", "num_pages", "page_size")
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(1, num_pages + 1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        assert n <= len(self._free), f"take({n}) with {len(self._free)} free pages"
+        pop = self._free.popleft
+        return [pop() for _ in range(n)]
+
+    def give(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def free_pages(self) -> list[int]:
+        return list(self._free)
+
+
+class PageRun:
+    """One request's logical pages [first, first + len(pages)) in one pool, each -> a physical page.
+
+    Allocation is tail-only and eviction front-only, so the held logical pages stay contiguous.
+    """
+
+    __slots__ = ("first", "pages")
+
+    def __init__(self) -> None:
+        self.first = 0
+        self.pages: list[int] = []
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.pages)
+
+    def plan(self, lo: int, hi: int, keep: int, page_size: int) -> tuple[int, int]:
+        """(pages to evict, pages to take) to cover indices [lo, hi) after evicting pages wholly < keep."""
+        held = len(self.pages)
+        evict = min(max(keep // page_size - self.first, 0), held)
+        if hi <= lo:
+            return evict, 0
+        q0, q1 = lo // page_size, (hi - 1) // page_size
+        start = q0 if evict == held else max(q0, self.first + held)
+        return evict, max(0, q1 - start + 1)
+
+    def evict(self, count: int, pool: PagePool) -> None:
+        if count:
+            pool.give(self.pages[:count])
+            del self.pages[:count]
+            self.first += count
+
+    def extend(self, lo: int, hi: int, take: int, pool: PagePool) -> array:
+        """Cover indices [lo, hi) with `take` new tail pages (from `plan`); return their slots in order."""
+        out = array(SLOT_DTYPE)
+        if hi <= lo:
+            return out
+        size = pool.page_size
+        q0, q1 = lo // size, (hi - 1) // size
+        if not self.pages:
+            self.first = q0
+        if take:
+            self.pages += pool.take(take)
+        pages, first = self.pages, self.first
+        assert first <= q0 and q1 < first + len(pages), f"[{lo}, {hi}) is not covered by the pages"
+        for q in range(q0, q1 + 1):
+            shift = (pages[q - first] - q) * size  # slot = shift + index
+            out.extend(range(shift + max(lo, q * size), shift + min(hi, q * size + size)))
+        return out
+
+    def release(self, pool: PagePool) -> None:
+        pool.give(self.pages)
+        self.pages = []

@@ -1,0 +1,84 @@
+"""Device buffers of the DeepSeek-V4 KV pools, in Ascend PA_ND layout [pages + 1, P, 1, dim].
+
+Page 0 of a paged pool is the skip sentinel. A slot id addresses the same row in every layer's buffer
+of its pool; `flat(t)` views a buffer as [slots, dim] for slot-indexed reads and writes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4serve.config import EngineConfig, ModelConfig, ring_size
+from dsv4serve.memory.paged import PoolSizes
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """[pages, P, 1, dim] -> [pages * P, dim]: row = slot id."""
+    return t.view(-1, t.shape[-1])
+
+
+def _state_buffer(pages: int, page_size: int, width: int, device: torch.device) -> torch.Tensor:
+    """fp32 rows [kv | score] of width `width`, initialised to kv = 0, score = -inf."""
+    t = torch.zeros(pages + 1, page_size, 1, width, dtype=torch.float32, device=device)
+    t[..., width // 2 :] = float("-inf")
+    return t
+
+
+def _check_ring_room(pool: str, slots: int, seqs: int, ratio: int) -> None:
+    need = (seqs + 1) * ring_size(ratio) if ratio else 0
+    assert slots >= need, f"{pool}: {slots} slots cannot hold {seqs} rings and the sentinel bank ({need})"
+
+
+class KVPools:
+    """Per-layer device buffers of every pool.
+
+    swa:             one [swa_pages + 1, P, 1, head_dim] per layer (all layers);
+    c4 / c4_index:   ratio-4 layers, [c4_pages + 1, P, 1, head_dim | index_head_dim];
+    c128:            HCA layers, [c128_pages + 1, P, 1, head_dim];
+    c4_state:        ratio-4 layers, fp32 [pages + 1, P, 1, 2 * 2 * head_dim] rows [kv | score];
+    c4_index_state:  ratio-4 layers, fp32 width 2 * 2 * index_head_dim (same slots as c4_state);
+    c128_state:      HCA layers, fp32 width 2 * head_dim.
+    state_sentinel:  the slot padding writes/reads may use: 0 (paged) or max_num_seqs * ring (ring).
+    """
+
+    def __init__(self, model: ModelConfig, sizes: PoolSizes, engine: EngineConfig) -> None:
+        dev, size = torch.device(engine.device), engine.page_size
+        dtype = getattr(torch, engine.torch_dtype_name)
+        hca, dim, idim = model.hca_ratio, model.head_dim, model.index_head_dim
+        c4_layers = model.layers_with_ratio(4)
+        hca_layers = model.layers_with_ratio(hca) if hca else ()
+
+        def kv(pages: int, width: int) -> torch.Tensor:
+            return torch.zeros(pages + 1, size, 1, width, dtype=dtype, device=dev)
+
+        self.swa = [kv(sizes.swa, dim) for _ in range(model.num_layers)]
+        self.c4 = {layer: kv(sizes.c4, dim) for layer in c4_layers}
+        self.c4_index = {layer: kv(sizes.c4, idim) for layer in c4_layers}
+        self.c128 = {layer: kv(sizes.c128, dim) for layer in hca_layers}
+        self.c4_state = {layer: _state_buffer(sizes.c4_state, size, 4 * dim, dev) for layer in c4_layers}
+        self.c4_index_state = {
+            layer: _state_buffer(sizes.c4_state, size, 4 * idim, dev) for layer in c4_layers
+        }
+        self.c128_state = {layer: _state_buffer(sizes.c128_state, size, 2 * dim, dev) for layer in hca_layers}
+        ring = engine.state_mode == "ring"
+        seqs = engine.max_num_seqs
+        self.state_sentinel = {
+            "c4_state": seqs * ring_size(4) if ring else 0,
+            "c128_state": seqs * ring_size(hca) if ring and hca else 0,
+        }
+        if ring:
+            _check_ring_room("c4_state", sizes.c4_state * size, seqs, 4 if c4_layers else 0)
+            _check_ring_room("c128_state", sizes.c128_state * size, seqs, hca)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of each buffer family, summed over layers."""
+        families = {
+            "swa": self.swa,
+            "c4": list(self.c4.values()),
+            "c4_index": list(self.c4_index.values()),
+            "c128": list(self.c128.values()),
+            "c4_state": list(self.c4_state.values()),
+            "c4_index_state": list(self.c4_index_state.values()),
+            "c128_state": list(self.c128_state.values()),
+        }
+        return {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in families.items()}

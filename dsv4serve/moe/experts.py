@@ -1,0 +1,38 @@
+"""Expert FFNs: clamped SwiGLU, routed (stacked weights) and shared."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """down(silu(min(gate, limit)) * clamp(up, -limit, limit)); gate = x W1, up = x W3."""
+    gate = F.linear(x, w1).clamp(max=limit)
+    up = F.linear(x, w3).clamp(min=-limit, max=limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def routed_experts_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Sum over each token's chosen experts, accumulated in expert order.
+
+    x: (T, hidden); weights, ids: (T, k); w1, w3: (E, I, hidden); w2: (E, hidden, I).
+    The reference gathers tokens per expert (data-dependent shapes); graph backends use a
+    fixed-shape grouped GEMM with the same signature.
+    """
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        token, slot = torch.where(ids == e)
+        if token.numel() == 0:
+            continue
+        y = swiglu(x[token], w1[e], w2[e], w3[e], limit) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out

@@ -1,0 +1,478 @@
+"""Every message of dsv4serve: public stdio requests/events and internal actor messages.
+
+All messages are frozen, tagged `msgspec.Struct`s carrying plain data only (ints, strings, bytes,
+tuples, nested Structs) so that each can be logged, encoded (JSON or msgpack) and sent across a
+process boundary.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from typing import Annotated, Literal, TypeAlias, get_args
+
+import msgspec
+
+SLOT_DTYPE = "i"  # packed slot ids: native int32 (little-endian on every supported host)
+
+
+def pack_slots(slots: object) -> bytes:
+    """Pack an iterable of slot ids (ints, an `array('i')`, or a 1-D int32 tensor's list) into bytes."""
+    if isinstance(slots, array) and slots.typecode == SLOT_DTYPE:
+        return slots.tobytes()
+    return array(SLOT_DTYPE, slots).tobytes()  # type: ignore[call-overload]
+
+
+def unpack_slots(data: bytes) -> array:
+    out = array(SLOT_DTYPE)
+    out.frombytes(data)
+    return out
+
+
+# ---------------------------------------------------------------- internal: allocator -> kv_writer
+
+
+class CacheLocs(msgspec.Struct, frozen=True, tag="cache_locs", kw_only=True):
+    """The allocator's six-tuple for one request in one step (token-level slot ids per pool).
+
+    The request goes from `prefix_len` to `seq_len` cached tokens in this step. Each field is packed
+    int32 (`pack_slots` / `unpack_slots`), in position order:
+      full, swa   one slot per raw position in [prefix_len, seq_len)
+      c4          one slot per compressed index in [prefix_len // 4, seq_len // 4)
+      c128        one slot per compressed index in [prefix_len // R, seq_len // R), R = the HCA ratio
+      c4_state    one slot per raw position in [seq_len - n, seq_len), n = len(c4_state)
+      c128_state  one slot per raw position in [seq_len - n, seq_len)
+    """
+
+    step: int
+    rid: str
+    row: int  # the request's row in the per-request tables
+    prefix_len: int
+    seq_len: int
+    full: bytes = b""
+    swa: bytes = b""
+    c4: bytes = b""
+    c128: bytes = b""
+    c4_state: bytes = b""
+    c128_state: bytes = b""
+
+    def slots(self, pool: str) -> array:
+        """The slot ids of one pool ('full', 'swa', 'c4', 'c128', 'c4_state', 'c128_state')."""
+        return unpack_slots(getattr(self, pool))
+
+    def count(self, pool: str) -> int:
+        return len(getattr(self, pool)) // 4
+
+
+# ---------------------------------------------------------------- public: stdio JSON-lines requests
+
+ErrorCode: TypeAlias = Literal[
+    "invalid_request", "duplicate_id", "context_too_long", "overloaded", "internal", "unknown_id"
+]
+FinishReason: TypeAlias = Literal["stop", "length", "cancelled"]
+RequestId = Annotated[str, msgspec.Meta(min_length=1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
+    pass
+
+
+class Generate(_Request, frozen=True, tag="generate"):
+    """Generate a completion for `prompt` (text) or `prompt_token_ids` (exactly one of them)."""
+
+    id: RequestId
+    prompt: str | None = None
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0 = no top-k
+    seed: int | None = None
+    stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
+    stop_token_ids: list[TokenId] = []
+    stream: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            got = "neither" if self.prompt is None else "both"
+            raise ValueError(f"prompt: give exactly one of prompt / prompt_token_ids (got {got})")
+
+
+class Cancel(_Request, frozen=True, tag="cancel"):
+    id: RequestId
+
+
+class Stats(_Request, frozen=True, tag="stats"):
+    pass
+
+
+class Shutdown(_Request, frozen=True, tag="shutdown"):
+    pass
+
+
+Request: TypeAlias = Generate | Cancel | Stats | Shutdown
+REQUEST_TYPES: tuple[str, ...] = tuple(str(t.__struct_config__.tag) for t in get_args(Request))
+
+
+# ---------------------------------------------------------------- public: stdio JSON-lines events
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timing(msgspec.Struct, frozen=True, kw_only=True):
+    ttft_ms: float  # arrival -> first generated token
+    total_ms: float  # arrival -> done
+
+
+class PoolStat(msgspec.Struct, frozen=True, kw_only=True):
+    used: int  # slots
+    capacity: int
+
+
+class TokenEvent(_Event, frozen=True, tag="token"):
+    """A streamed delta: the new token ids and the text they completed (may be "")."""
+
+    id: str
+    token_ids: tuple[int, ...]
+    text: str
+
+
+class DoneEvent(_Event, frozen=True, tag="done"):
+    """The end of an accepted request: all generated ids and text (stop strings cut off)."""
+
+    id: str
+    finish_reason: FinishReason
+    token_ids: tuple[int, ...]
+    text: str
+    usage: Usage
+    timing: Timing
+    logprobs: tuple[float, ...] | None = None
+
+
+class ErrorEvent(_Event, frozen=True, tag="error"):
+    id: str | None  # None when the request's id could not be read
+    code: ErrorCode
+    message: str
+
+
+class StatsEvent(_Event, frozen=True, tag="stats"):
+    running: int
+    waiting: int
+    pools: dict[str, PoolStat]
+    tokens_per_s: float
+    num_steps: int = 0
+    num_finished: int = 0
+    uptime_s: float = 0.0
+
+
+Event: TypeAlias = TokenEvent | DoneEvent | ErrorEvent | StatsEvent
+
+
+class RequestError(Exception):
+    """A request that cannot be accepted; `message` names the field and the reason."""
+
+    def __init__(self, code: ErrorCode, message: str, id: str | None = None) -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
+        self.message = message
+        self.id = id
+
+    def to_event(self) -> ErrorEvent:
+        return ErrorEvent(id=self.id, code=self.code, message=self.message)
+
+
+_REQUEST_DECODER = msgspec.json.Decoder(Request)
+_EVENT_DECODER = msgspec.json.Decoder(Event)
+_JSON_ENCODER = msgspec.json.Encoder()
+
+
+def decode_request(line: bytes | str) -> Request:
+    """Decode one stdio line; raises `RequestError("invalid_request", ...)` for anything malformed."""
+    try:
+        return _REQUEST_DECODER.decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeEncodeError) as err:
+        raise _diagnose(line, err) from err
+
+
+def encode_event(event: Event) -> bytes:
+    """One JSON line, newline-terminated (JSON escapes any newline inside strings)."""
+    return _JSON_ENCODER.encode(event) + b"\n"
+
+
+def decode_event(line: bytes | str) -> Event:
+    return _EVENT_DECODER.decode(line)
+
+
+# ---------------------------------------------------------------- request diagnostics (slow path only)
+
+_AT_PATH = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
+_MISSING_FIELD = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
+_PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_ABSENT = object()
+
+
+def _diagnose(line: bytes | str, err: Exception) -> RequestError:
+    data = line.encode("utf-8", errors="surrogatepass") if isinstance(line, str) else line
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        rid = _recover_id(data.decode("utf-8", errors="replace"))
+        reason = f"request is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        return RequestError("invalid_request", reason, rid)
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        return RequestError("invalid_request", f"invalid JSON: {exc}")
+    if not isinstance(obj, dict):
+        return RequestError("invalid_request", "request must be a JSON object")
+    rid = obj["id"] if isinstance(obj.get("id"), str) and obj["id"] else None
+    return RequestError("invalid_request", _explain(obj, err), rid)
+
+
+def _recover_id(text: str) -> str | None:
+    try:
+        obj = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) and rid else None
+
+
+def _explain(obj: dict[str, object], err: Exception) -> str:
+    """Turn msgspec's "<reason> - at `$.path`" into "path: <reason>, got <value>"."""
+    if "type" not in obj:
+        return "type: required"
+    if obj["type"] not in REQUEST_TYPES:
+        return f"type: unknown request type {obj['type']!r}"
+    found = _AT_PATH.match(str(err))
+    reason, path = (found["msg"], found["path"]) if found else (str(err), "")
+    if named := _MISSING_FIELD.match(reason) or _UNKNOWN_FIELD.match(reason):
+        what = "required" if named.re is _MISSING_FIELD else f"unknown field of a {obj['type']!r} request"
+        return f"{_join(path, named['name'])}: {what}"
+    if not path:
+        return reason
+    value = _value_at(obj, path)
+    if value is not _ABSENT and "got" not in reason:
+        reason = f"{reason}, got {_show(value)}"
+    return f"{path.removeprefix('.')}: {reason}"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path.removeprefix('.')}.{name}" if path else name
+
+
+def _value_at(obj: object, path: str) -> object:
+    for key, index in _PATH_PART.findall(path):
+        if key and isinstance(obj, dict) and key in obj:
+            obj = obj[key]
+        elif index and isinstance(obj, list) and int(index) < len(obj):
+            obj = obj[int(index)]
+        else:
+            return _ABSENT
+    return obj
+
+
+def _show(value: object, limit: int = 40) -> str:
+    shown = msgspec.json.encode(value).decode()
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- internal: shared data
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+class Drain(_Msg, frozen=True, tag="drain"):
+    """Graceful shutdown: finish what is in flight, then close the downstream channels."""
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    logprobs: bool = False
+
+
+class StepItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's part of a step: the input ids of positions [prefix_len, prefix_len + len)."""
+
+    rid: str
+    prefix_len: int
+    token_ids: tuple[int, ...]
+    sample: bool  # False for a prefill chunk that does not reach the prompt's end
+    sampling: SamplingSpec
+    row: int = -1  # the request's row in the per-request tables; -1 until the allocator assigns it
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + len(self.token_ids)
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
+    step: int
+    items: tuple[StepItem, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(item.token_ids) for item in self.items)
+
+
+def sampling_of(req: Generate) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, logprobs=req.logprobs
+    )
+
+
+# ---------------------------------------------------------------- internal: tokenizer inbox
+
+
+class Submit(_Msg, frozen=True, tag="submit"):
+    """An accepted `Generate`, handed to the tokenizer (exactly one of prompt / prompt_token_ids)."""
+
+    rid: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stream: bool = False
+    sampling: SamplingSpec = SamplingSpec()
+
+
+class Detokenize(_Msg, frozen=True, tag="detokenize"):
+    """New ids of one request; a non-None `finish_reason` ends it (the tokenizer emits `done`)."""
+
+    rid: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[float, ...] | None = None  # one per id when the request asked for them
+
+
+class FailRequest(_Msg, frozen=True, tag="fail_request"):
+    """End a request (or answer an unknown id) with an `error` event instead of `done`."""
+
+    rid: str
+    code: ErrorCode
+    message: str
+
+
+TokenizerMsg: TypeAlias = Submit | Detokenize | FailRequest | Drain
+
+
+def submit_of(req: Generate) -> Submit:
+    token_ids = None if req.prompt_token_ids is None else tuple(req.prompt_token_ids)
+    return Submit(
+        rid=req.id,
+        prompt=req.prompt,
+        prompt_token_ids=token_ids,
+        max_tokens=req.max_tokens,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        stream=req.stream,
+        sampling=sampling_of(req),
+    )
+
+
+# ---------------------------------------------------------------- internal: scheduler inbox
+
+
+class Tokenized(_Msg, frozen=True, tag="tokenized"):
+    rid: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+
+
+class CancelRequest(_Msg, frozen=True, tag="cancel_request"):
+    rid: str
+
+
+class SampledToken(msgspec.Struct, frozen=True, kw_only=True):
+    rid: str
+    token_id: int
+    logprob: float | None = None
+
+
+class RequestFailure(msgspec.Struct, frozen=True, kw_only=True):
+    rid: str
+    message: str
+
+
+class StepDone(_Msg, frozen=True, tag="step_done"):
+    """The executor finished `step`: sampled ids of the items with `sample`, the rids that ran."""
+
+    step: int
+    outputs: tuple[SampledToken, ...]
+    ran: tuple[str, ...]
+    failed: tuple[RequestFailure, ...] = ()
+
+
+class RefusedItem(msgspec.Struct, frozen=True, kw_only=True):
+    rid: str
+    pool: str  # 'full', 'swa', 'c4', 'c128', 'c4_state', 'c128_state' or 'rows'
+    reason: str
+
+
+class AllocRefused(_Msg, frozen=True, tag="alloc_refused"):
+    step: int
+    refusals: tuple[RefusedItem, ...]
+
+
+class StopHit(_Msg, frozen=True, tag="stop_hit"):
+    """The tokenizer found a stop string in `rid`'s output; the request is done."""
+
+    rid: str
+
+
+SchedulerMsg: TypeAlias = Tokenized | CancelRequest | StepDone | AllocRefused | StopHit | Drain
+
+
+# ---------------------------------------------------------------- internal: allocator, kv_writer, executor
+
+FreeReason: TypeAlias = Literal["finished", "aborted", "preempted"]
+
+
+class Allocate(_Msg, frozen=True, tag="allocate"):
+    step: int
+    plan: StepPlan
+
+
+class Free(_Msg, frozen=True, tag="free"):
+    rid: str
+    reason: FreeReason
+
+
+AllocatorMsg: TypeAlias = Allocate | Free | Drain
+
+
+class WriteLocs(_Msg, frozen=True, tag="write_locs"):
+    """The allocator's answer for a whole step: `plan` with rows filled, one `CacheLocs` per item."""
+
+    step: int
+    plan: StepPlan
+    locs: tuple[CacheLocs, ...]
+
+
+KVWriterMsg: TypeAlias = WriteLocs | Drain
+
+
+class TablesReady(_Msg, frozen=True, tag="tables_ready"):
+    step: int
+    plan: StepPlan
+
+
+ExecutorMsg: TypeAlias = TablesReady | Drain

@@ -1,0 +1,83 @@
+"""The executor's sync core: weights, device pools, slot tables, one forward + sampling per step.
+
+Owned by the executor actor (which calls it in a worker thread); tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsv4serve.attention.metadata import BatchItem, build_forward_batch
+from dsv4serve.attention.rope import RopeTables
+from dsv4serve.backend import Backend, select_backend
+from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.memory.paged import PoolSizes
+from dsv4serve.memory.pools import KVPools
+from dsv4serve.memory.tables import SlotTables, write_cache_locs
+from dsv4serve.models.deepseek_v4 import DeepseekV4
+from dsv4serve.models.loader import load_checkpoint
+from dsv4serve.protocol import CacheLocs, SampledToken, StepPlan
+from dsv4serve.sampling import SamplingBatch, sample
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: tuple[SampledToken, ...]
+    logits: torch.Tensor | None = None  # (S, V), or (T, V) with all_logits; only when asked
+
+
+def request_seed(rid: str, seed: int | None, engine_seed: int) -> int:
+    """The sampling seed of a request: its own, else a stable mix of the engine seed and its id."""
+    if seed is not None:
+        return seed
+    return engine_seed ^ zlib.crc32(rid.encode())
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, engine: EngineConfig, sizes: PoolSizes | None = None) -> None:
+        self.engine = engine
+        self.model_cfg = cfg = ModelConfig.from_dir(model_dir)
+        self.device = torch.device(engine.device)
+        self.dtype = getattr(torch, engine.torch_dtype_name)
+        self.ops: Backend = select_backend(engine.device)
+        self.sizes = sizes or PoolSizes.for_engine(cfg, engine)
+        self.pools = KVPools(cfg, self.sizes, engine)
+        self.tables = SlotTables(cfg, engine, self.device)
+        weights = load_checkpoint(Path(model_dir), cfg, dtype=self.dtype, device=str(self.device))
+        rope = RopeTables.build(cfg, engine.resolved_max_model_len(cfg) + 1, self.device)
+        self.model = DeepseekV4(cfg, weights, rope, self.ops)
+        self.ratios = cfg.compress_ratio_set
+
+    def write_locs(self, locs: Sequence[CacheLocs]) -> None:
+        for loc in locs:
+            write_cache_locs(self.tables, loc)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> StepResult:
+        items = [BatchItem(i.row, i.prefix_len, i.token_ids, i.sample) for i in plan.items]
+        assert all(i.row >= 0 for i in items), "every item needs its table row"
+        batch = build_forward_batch(items, self.ratios, self.device)
+        logits = self.model.forward(batch, self.pools, self.tables, all_logits=all_logits)
+        sampled = [i for i in plan.items if i.sample]
+        if not sampled:
+            return StepResult((), logits if keep_logits else None)
+        rows = logits if not all_logits else logits[batch.sample_index]
+        params = SamplingBatch.build(
+            [i.sampling.temperature for i in sampled],
+            [i.sampling.top_p for i in sampled],
+            [i.sampling.top_k for i in sampled],
+            [request_seed(i.rid, i.sampling.seed, self.engine.seed) for i in sampled],
+            [i.seq_len for i in sampled],
+            self.device,
+        )
+        tokens, logprobs = sample(rows, params)
+        outputs = tuple(
+            SampledToken(rid=i.rid, token_id=t, logprob=lp if i.sampling.logprobs else None)
+            for i, t, lp in zip(sampled, tokens.tolist(), logprobs.tolist(), strict=True)
+        )
+        return StepResult(outputs, logits if keep_logits else None)

@@ -1,0 +1,84 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen-token logprobs.
+
+Randomness is counter-based: the uniform draw for (seed, position, token) is a hash of the three,
+so a request's samples depend only on its own seed and positions, never on the batch it shares, on
+preemption, or on the device. Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), which
+draws exactly from p, with fixed shapes and no host syncs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per sampled row (S,): temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+
+    temperature: torch.Tensor  # (S,) fp32
+    top_p: torch.Tensor  # (S,) fp32
+    top_k: torch.Tensor  # (S,) int64
+    seed: torch.Tensor  # (S,) int64
+    position: torch.Tensor  # (S,) int64 position of the token being sampled
+
+    @classmethod
+    def build(
+        cls,
+        temperature: Sequence[float],
+        top_p: Sequence[float],
+        top_k: Sequence[int],
+        seed: Sequence[int],
+        position: Sequence[int],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        def f(v: Sequence[float]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.float32).to(device)
+
+        def i(v: Sequence[int]) -> torch.Tensor:
+            return torch.tensor([x & _MASK32 for x in v], dtype=torch.int64).to(device)
+
+        return cls(f(temperature), f(top_p), i(top_k), i(seed), i(position))
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix on int64 tensors (all products stay below 2**63)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(S, V) uniforms in (0, 1) determined by (seed, position, token id) alone."""
+    token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    key = _hash32(_hash32(seed) ^ position)  # (S,)
+    bits = _hash32(key[:, None] ^ _hash32(token + 0x9E3779B)[None, :])  # (S, V)
+    return (bits.double() + 0.5).div(2.0**32).float()
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p (nucleus) sets with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    drop = rank >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    drop |= before > top_p[:, None]  # the first token is always kept
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (S, V) -> (token ids (S,), logprobs of those tokens under the model's distribution (S,))."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1)
+    temperature = params.temperature.clamp(min=1e-6)[:, None]
+    probs = torch.softmax(_filter(logits / temperature, params.top_k, params.top_p), dim=-1)
+    race = probs / -torch.log(uniform(params.seed, params.position, logits.shape[-1]))
+    tokens = torch.where(params.temperature > 0, race.argmax(dim=-1), greedy)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,310 @@
+"""The scheduler's policy: continuous batching with chunked prefill, preemption by recompute.
+
+Policy, in a few lines:
+- A step is planned only while fewer than `max_inflight_steps` are in flight, and only from requests
+  in no in-flight step (a request's next input comes from its previous step).
+- Under the token budget: every decode-ready RUNNING request (1 token), then the next chunk of each
+  RUNNING prefill, then WAITING requests are admitted (preempted first, then by arrival) while fewer
+  than `max_num_seqs` run and no running request is short of memory (else newcomers could take the
+  memory it waits for, forever). A chunk takes what is left of the budget; an item samples iff it
+  reaches the end of the request's tokens.
+- `num_computed` advances only when a step is done, so a refused item rolls back by forgetting it.
+- When the allocator refuses a RUNNING request and no older step is in flight (whose end would free
+  memory), the latest-arriving idle RUNNING request is preempted (never the oldest one running;
+  possibly the refused one itself). A preempted request keeps its tokens and later recomputes
+  prompt + output as one prefill, sampling only at its end.
+- A request refused while nobody else held memory can never fit: it ends with "error".
+- Cancel/stop of a request in an in-flight step waits for that step (its memory is in use).
+
+Driving it from the actor (one FIFO inbox):
+  Tokenized -> add();  CancelRequest -> cancel();  StopHit -> stop()
+  AllocRefused -> on_refused();  StepDone -> on_step_done()
+  after each: Free every preempted rid and every Finished with holds_memory, report the Finished and
+  stream the kept tokens, then `while (plan := core.plan()) is not None: send Allocate(plan)`.
+The allocator handles its inbox in order, decides a step's items in plan order, allocates nothing
+for a refused item, and sends a step's AllocRefused before that step can reach the executor.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dsv4serve.protocol import SampledToken, SamplingSpec, StepItem, StepPlan
+from dsv4serve.scheduler.request import (
+    CancelOutcome,
+    CancelStatus,
+    EndReason,
+    Finished,
+    RefuseOutcome,
+    Request,
+    RequestState,
+    StepOutcome,
+)
+
+UNSERVABLE = "the request needs more KV cache than the engine has, even running alone"
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    item: StepItem
+    admitted: bool  # the request was WAITING before this plan
+
+
+@dataclass(slots=True)
+class _Step:
+    items: dict[str, _Planned]  # the items not refused (so far)
+    num_releases: int  # the core's release count when it was planned
+
+
+class SchedulerCore:
+    """Pure sync scheduling state machine, owned by the scheduler actor."""
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        max_inflight_steps: int = 2,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        assert min(max_num_seqs, max_num_batched_tokens, max_model_len, max_inflight_steps) >= 1
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_inflight_steps = max_inflight_steps
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._waiting: list[Request] = []  # sorted by Request.queue_key
+        self._running: dict[str, Request] = {}
+        self._inflight: dict[int, _Step] = {}
+        self._num_arrivals = 0
+        self._num_releases = 0  # requests that gave memory back (finished or preempted)
+        self._next_step = 0
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, rid: str) -> Request | None:
+        """The live request (read-only by convention), None once finished or if never added."""
+        return self._requests.get(rid)
+
+    # ------------------------------------------------------------------ events
+
+    def add(
+        self,
+        rid: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+        sampling: SamplingSpec | None = None,
+    ) -> None:
+        """Queue a validated request (1 <= prompt length <= max_model_len, max_tokens >= 1)."""
+        assert rid not in self._requests, f"duplicate rid {rid!r}"
+        assert 1 <= len(prompt_token_ids) <= self.max_model_len and max_tokens >= 1
+        req = Request(
+            rid=rid,
+            arrival=self._num_arrivals,
+            prompt_len=len(prompt_token_ids),
+            all_token_ids=list(prompt_token_ids),
+            max_tokens=max_tokens,
+            stop_token_ids=self.eos_token_ids.union(stop_token_ids),
+            sampling=sampling or SamplingSpec(),
+        )
+        self._num_arrivals += 1
+        self._requests[rid] = req
+        self._enqueue(req)
+
+    def plan(self) -> StepPlan | None:
+        """The next step, or None when the in-flight limit is reached or nothing can run."""
+        if len(self._inflight) >= self.max_inflight_steps:
+            return None
+        budget = self.max_num_batched_tokens
+        planned: list[_Planned] = []
+        for req in self._idle_running():
+            if budget == 0:
+                break
+            planned.append(_Planned(req.next_item(budget), admitted=False))
+            budget -= len(planned[-1].item.token_ids)
+        while budget > 0 and self._waiting and self._may_admit():
+            req = self._waiting.pop(0)
+            planned.append(_Planned(req.next_item(budget), admitted=True))
+            budget -= len(planned[-1].item.token_ids)
+            req.state = RequestState.RUNNING
+            req.admitted_step = self._next_step
+            self._running[req.rid] = req
+        return self._launch(planned) if planned else None
+
+    def on_refused(self, step: int, rids: Iterable[str]) -> RefuseOutcome:
+        """The allocator refused these items of `step`: they did not run and are rolled back.
+        A step whose items are all refused is retired here (an empty StepDone for it is ignored)."""
+        record = self._inflight[step]
+        rid_set = set(rids)
+        assert rid_set <= record.items.keys(), (step, rid_set)
+        refused = [p for rid, p in record.items.items() if rid in rid_set]  # in plan order
+        for p in refused:
+            del record.items[p.item.rid]
+        if not record.items:
+            del self._inflight[step]
+        finished: list[Finished] = []
+        needy: list[Request] = []
+        for p in refused:
+            req = self._roll_back(p)
+            if req.pending_end is not None:
+                finished.append(self._finish(req, req.pending_end))
+            elif p is refused[0] and self._was_alone(req, step, record):
+                finished.append(self._finish(req, "error", message=UNSERVABLE))
+            elif not p.admitted:
+                req.short_of_memory = True
+                needy.append(req)
+        # An older in-flight step was granted something and frees memory as it ends; a newer one may
+        # be refused too, so waiting for it could livelock.
+        older_inflight = any(s < step for s in self._inflight)
+        victims = [] if older_inflight else self._choose_victims(needy)
+        for victim in victims:
+            self._preempt(victim)
+        return RefuseOutcome(tuple(v.rid for v in victims), tuple(finished))
+
+    def on_step_done(
+        self, step: int, outputs: Sequence[SampledToken], failed: Iterable[str] = ()
+    ) -> StepOutcome:
+        """`step` ran (its items not refused); `outputs` has one token per sampling item not failed."""
+        record = self._inflight.pop(step, None)
+        failed_rids = set(failed)
+        if record is None:  # every item was refused: retired in on_refused
+            assert not outputs and not failed_rids, f"step {step} is not in flight"
+            return StepOutcome()
+        items = record.items
+        by_rid = {out.rid: out for out in outputs}
+        expected = {rid for rid, p in items.items() if p.item.sample and rid not in failed_rids}
+        assert by_rid.keys() == expected and failed_rids <= items.keys(), (step, by_rid.keys(), expected)
+        tokens: list[SampledToken] = []
+        finished: list[Finished] = []
+        for rid, p in items.items():
+            req = self._requests[rid]
+            assert req.inflight_step == step and req.num_computed == p.item.prefix_len
+            req.inflight_step = None
+            req.short_of_memory = False
+            req.num_computed = p.item.seq_len
+            if req.pending_end is not None or rid in failed_rids:
+                finished.append(self._finish(req, req.pending_end or "error"))
+            elif p.item.sample:
+                tokens.append(by_rid[rid])
+                ended = self._append(req, by_rid[rid].token_id)
+                if ended is not None:
+                    finished.append(ended)
+        return StepOutcome(tuple(tokens), tuple(finished))
+
+    def cancel(self, rid: str) -> CancelOutcome:
+        return self._end_early(rid, "cancelled")
+
+    def stop(self, rid: str) -> CancelOutcome:
+        """The tokenizer found a stop string: end as "stop" (same in-flight rule as cancel)."""
+        return self._end_early(rid, "stop")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _idle_running(self) -> list[Request]:
+        """RUNNING requests in no in-flight step: decode-ready ones first, then prefills; by arrival."""
+        idle = [r for r in self._running.values() if r.inflight_step is None]
+        return sorted(idle, key=lambda r: (r.num_uncomputed > 1, r.arrival))
+
+    def _may_admit(self) -> bool:
+        running = self._running.values()
+        return len(running) < self.max_num_seqs and not any(r.short_of_memory for r in running)
+
+    def _launch(self, planned: list[_Planned]) -> StepPlan:
+        step = self._next_step
+        self._next_step += 1
+        for p in planned:
+            self._requests[p.item.rid].inflight_step = step
+        self._inflight[step] = _Step({p.item.rid: p for p in planned}, self._num_releases)
+        return StepPlan(step=step, items=tuple(p.item for p in planned))
+
+    def _roll_back(self, p: _Planned) -> Request:
+        req = self._requests[p.item.rid]
+        req.inflight_step = None
+        if p.admitted:
+            del self._running[req.rid]
+            self._enqueue(req)
+        return req
+
+    def _was_alone(self, req: Request, step: int, record: _Step) -> bool:
+        """Whether nobody else held memory when the allocator refused `req`, the first refused item
+        of `step`. Refusals come in step order, so a RUNNING request admitted before `step` held
+        memory then; one that released memory since may have held it too (then: unsure, retry)."""
+        if self._num_releases != record.num_releases or any(r != req.rid for r in record.items):
+            return False
+        return not any(r is not req and r.admitted_step < step for r in self._running.values())
+
+    def _choose_victims(self, needy: list[Request]) -> list[Request]:
+        """One victim per refused request still running: the latest-arriving idle RUNNING request,
+        never the oldest running one."""
+        if not needy:
+            return []
+        oldest = min(self._running.values(), key=lambda r: r.arrival)
+        idle = [r for r in self._running.values() if r.inflight_step is None and r is not oldest]
+        candidates = sorted(idle, key=lambda r: r.arrival)
+        victims: list[Request] = []
+        for req in needy:
+            if req not in victims and candidates:
+                victims.append(candidates.pop())
+        return victims
+
+    def _preempt(self, req: Request) -> None:
+        assert req.state is RequestState.RUNNING and req.inflight_step is None
+        del self._running[req.rid]
+        self._num_releases += 1
+        req.short_of_memory = False
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        req.state = RequestState.WAITING
+        bisect.insort(self._waiting, req, key=Request.queue_key)
+
+    def _append(self, req: Request, token_id: int) -> Finished | None:
+        req.all_token_ids.append(token_id)
+        reason = req.end_reason(self.max_model_len)
+        if reason is None:
+            return None
+        return self._finish(req, reason, stop_token_id=token_id if reason == "stop" else None)
+
+    def _end_early(self, rid: str, reason: EndReason) -> CancelOutcome:
+        req = self._requests.get(rid)
+        if req is None:
+            return CancelOutcome(CancelStatus.UNKNOWN)
+        if req.inflight_step is not None:
+            req.pending_end = req.pending_end or reason
+            return CancelOutcome(CancelStatus.DEFERRED)
+        return CancelOutcome(CancelStatus.FINISHED, self._finish(req, reason))
+
+    def _finish(
+        self, req: Request, reason: EndReason, stop_token_id: int | None = None, message: str = ""
+    ) -> Finished:
+        assert req.inflight_step is None, f"{req.rid} finished while in flight"
+        holds_memory = req.state is RequestState.RUNNING
+        if holds_memory:
+            del self._running[req.rid]
+            self._num_releases += 1
+        else:
+            self._waiting.remove(req)
+        del self._requests[req.rid]
+        req.state = RequestState.FINISHED
+        return req.finished(reason, holds_memory, stop_token_id, message)

@@ -1,0 +1,139 @@
+"""One request's scheduling state, and the records the scheduler core hands back to its actor."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+from dsv4serve.protocol import SampledToken, SamplingSpec, StepItem
+
+# The protocol's FinishReason plus "error" (the actor answers those with FailRequest, not done).
+EndReason: TypeAlias = Literal["stop", "length", "cancelled", "error"]
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # holds no memory: never admitted, or preempted
+    RUNNING = "running"  # holds memory (or is being admitted in an in-flight step): prefill or decode
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request that left the scheduler; its rid is unknown to the core from now on.
+
+    output_token_ids: every generated id, including the EOS / stop token that ended it (then also
+        `stop_token_id`); that last id belongs to the ids but not to the text.
+    holds_memory: the allocator holds cache for it, so the actor must send `Free(rid)`.
+    message: why, for finish_reason "error" raised by the core (empty for executor failures).
+    """
+
+    rid: str
+    finish_reason: EndReason
+    output_token_ids: tuple[int, ...]
+    num_preemptions: int
+    holds_memory: bool
+    stop_token_id: int | None = None
+    message: str = ""
+
+
+class CancelStatus(enum.Enum):
+    FINISHED = "finished"  # ended now: `CancelOutcome.finished` says what to report and free
+    DEFERRED = "deferred"  # in an in-flight step: it ends when that step completes (or is refused)
+    UNKNOWN = "unknown"  # no such request (never added, or already finished)
+
+
+@dataclass(frozen=True, slots=True)
+class CancelOutcome:
+    status: CancelStatus
+    finished: Finished | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RefuseOutcome:
+    """preempted: rids to `Free(rid, "preempted")` (now WAITING, recomputed later).
+    finished: requests that ended (a deferred cancel/stop, or "error": cannot fit even alone)."""
+
+    preempted: tuple[str, ...] = ()
+    finished: tuple[Finished, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """tokens: the sampled tokens kept, in plan order (exactly the new output ids to stream);
+    the token of a request whose cancel/stop was deferred to this step is dropped.
+    finished: requests that ended with this step."""
+
+    tokens: tuple[SampledToken, ...] = ()
+    finished: tuple[Finished, ...] = ()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Scheduling state. `num_computed` counts tokens whose KV is cached (advanced when a step is
+    done); `inflight_step` is the one in-flight step that uses it, if any."""
+
+    rid: str
+    arrival: int
+    prompt_len: int
+    all_token_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    sampling: SamplingSpec
+    state: RequestState = RequestState.WAITING
+    num_computed: int = 0
+    num_preemptions: int = 0
+    inflight_step: int | None = None
+    pending_end: EndReason | None = None  # a cancel/stop waiting for inflight_step
+    short_of_memory: bool = False  # RUNNING and refused since it last ran: admissions wait for it
+    admitted_step: int = -1  # the step that last admitted it (WAITING -> RUNNING)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.all_token_ids) - self.num_computed
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.all_token_ids[self.prompt_len :])
+
+    def queue_key(self) -> tuple[bool, int]:
+        """Waiting order: preempted requests first, then by arrival."""
+        return (self.num_preemptions == 0, self.arrival)
+
+    def next_item(self, budget: int) -> StepItem:
+        """The next chunk of at most `budget` uncomputed tokens; it samples iff it reaches the end."""
+        assert budget > 0 and self.num_uncomputed > 0, (self.rid, budget, self.num_uncomputed)
+        start = self.num_computed
+        end = min(self.num_tokens, start + budget)
+        return StepItem(
+            rid=self.rid,
+            prefix_len=start,
+            token_ids=tuple(self.all_token_ids[start:end]),
+            sample=end == self.num_tokens,
+            sampling=self.sampling,
+        )
+
+    def end_reason(self, max_model_len: int) -> EndReason | None:
+        """Checked right after a token is appended: stop token first, then the two lengths."""
+        if self.all_token_ids[-1] in self.stop_token_ids:
+            return "stop"
+        if self.num_tokens - self.prompt_len >= self.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def finished(
+        self, reason: EndReason, holds_memory: bool, stop_token_id: int | None = None, message: str = ""
+    ) -> Finished:
+        return Finished(
+            rid=self.rid,
+            finish_reason=reason,
+            output_token_ids=self.output_token_ids,
+            num_preemptions=self.num_preemptions,
+            holds_memory=holds_memory,
+            stop_token_id=stop_token_id,
+            message=message,
+        )

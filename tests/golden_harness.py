@@ -1,0 +1,125 @@
+"""Run the same prompts through transformers (the golden reference) and through dsv4serve's
+executor core (allocator -> six-tuples -> tables -> ModelRunner), recording every position's logits.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsv4serve.config import EngineConfig
+from dsv4serve.memory.allocator import KVAllocator, Refusal
+from dsv4serve.protocol import SamplingSpec, StepItem, StepPlan
+from dsv4serve.runner import ModelRunner
+
+GREEDY = SamplingSpec(temperature=0.0)
+
+
+@dataclass
+class Trace:
+    """Greedy continuation of one prompt and the logits at every position (prompt + generated[:-1])."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def reference_traces(model_dir: Path, prompts: Sequence[Sequence[int]], max_new: int) -> list[Trace]:
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    traces = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+            trace = Trace([], list(out.logits[0]))
+            for step in range(max_new):
+                token = int(trace.logits[-1].argmax())
+                trace.tokens.append(token)
+                if step + 1 < max_new:
+                    out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+                    trace.logits.append(out.logits[0, -1])
+            traces.append(trace)
+    return traces
+
+
+@dataclass
+class _Req:
+    rid: str
+    tokens: list[int]
+    max_new: int
+    computed: int = 0
+    trace: Trace = field(default_factory=lambda: Trace([]))
+
+    @property
+    def done(self) -> bool:
+        return len(self.trace.tokens) >= self.max_new
+
+
+def engine_traces(
+    model_dir: Path,
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    engine: EngineConfig,
+    chunk: Callable[[str, int], int] = lambda rid, remaining: remaining,
+    runner: ModelRunner | None = None,
+) -> list[Trace]:
+    """All prompts run together: each step holds one item per unfinished request (a prefill chunk of
+    `chunk(rid, remaining)` tokens, or a decode), so prefills and decodes mix in one flat batch."""
+    runner = runner or ModelRunner(model_dir, engine)
+    alloc = KVAllocator(runner.model_cfg, engine, runner.sizes)
+    reqs = [_Req(f"r{i}", list(p), max_new) for i, p in enumerate(prompts)]
+    step = 0
+    while not all(r.done for r in reqs):
+        items, locs = [], []
+        for r in (r for r in reqs if not r.done):
+            n = max(1, min(chunk(r.rid, len(r.tokens) - r.computed), len(r.tokens) - r.computed))
+            got = alloc.allocate(r.rid, r.computed, r.computed + n, step)
+            assert not isinstance(got, Refusal), got
+            locs.append(got)
+            sample = r.computed + n == len(r.tokens)
+            ids = tuple(r.tokens[r.computed : r.computed + n])
+            items.append(
+                StepItem(
+                    rid=r.rid,
+                    prefix_len=r.computed,
+                    token_ids=ids,
+                    sample=sample,
+                    sampling=GREEDY,
+                    row=got.row,
+                )
+            )
+        runner.write_locs(locs)
+        result = runner.execute(StepPlan(step=step, items=tuple(items)), all_logits=True, keep_logits=True)
+        assert result.logits is not None
+        offset = 0
+        by_rid = {o.rid: o.token_id for o in result.outputs}
+        for item in items:
+            r = next(r for r in reqs if r.rid == item.rid)
+            n = len(item.token_ids)
+            r.trace.logits.extend(result.logits[offset : offset + n])
+            offset += n
+            r.computed += n
+            if item.sample:
+                r.trace.tokens.append(by_rid[r.rid])
+                if not r.done:
+                    r.tokens.append(by_rid[r.rid])
+        step += 1
+    for r in reqs:
+        alloc.free(r.rid)
+    return [r.trace for r in reqs]
+
+
+def random_chunker(seed: int, low: int = 1, high: int = 40) -> Callable[[str, int], int]:
+    rng = random.Random(seed)
+    return lambda rid, remaining: rng.randint(low, high)
+
+
+def compare(ref: Trace, got: Trace) -> float:
+    """Max |logit difference| over every position; asserts the same greedy tokens."""
+    assert got.tokens == ref.tokens, f"tokens differ:\nref {ref.tokens}\ngot {got.tokens}"
+    assert len(got.logits) == len(ref.logits)
+    return max(float((a - b).abs().max()) for a, b in zip(ref.logits, got.logits, strict=True))

@@ -1,0 +1,517 @@
+"""Scheduler policy core: unit tests, and a message-level simulation checked with hypothesis."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4serve.protocol import SampledToken, StepPlan
+from dsv4serve.scheduler import CancelStatus, Finished, RefuseOutcome, RequestState, SchedulerCore
+
+EOS = 0
+VOCAB = 40
+
+
+def next_token(seq: list[int]) -> int:
+    """A deterministic fake model: the next token is a function of all previous tokens."""
+    acc = 17
+    for t in seq:
+        acc = (acc * 31 + t + 1) % 1_000_003
+    return acc % VOCAB
+
+
+def reference(
+    prompt: list[int], max_tokens: int, stop: set[int], max_model_len: int
+) -> tuple[str, list[int]]:
+    seq, out = list(prompt), []
+    while True:
+        tok = next_token(seq)
+        seq.append(tok)
+        out.append(tok)
+        if tok in stop:
+            return "stop", out
+        if len(out) >= max_tokens or len(seq) >= max_model_len:
+            return "length", out
+
+
+def outputs_for(plan: StepPlan, tokens: dict[str, int] | None = None) -> list[SampledToken]:
+    tokens = tokens or {}
+    return [SampledToken(rid=i.rid, token_id=tokens.get(i.rid, 5)) for i in plan.items if i.sample]
+
+
+def core(**kw: int) -> SchedulerCore:
+    args = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, max_inflight_steps=2)
+    args.update(kw)
+    return SchedulerCore(**args, eos_token_ids=(EOS,))
+
+
+def shape(plan: StepPlan | None) -> list[tuple[str, int, int, bool]]:
+    assert plan is not None
+    return [(i.rid, i.prefix_len, len(i.token_ids), i.sample) for i in plan.items]
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_chunked_prefill_then_decode_then_length() -> None:
+    s = core(max_num_batched_tokens=4)
+    s.add("a", list(range(1, 11)), max_tokens=2)
+    p = s.plan()
+    assert shape(p) == [("a", 0, 4, False)] and p is not None and p.items[0].token_ids == (1, 2, 3, 4)
+    assert s.plan() is None  # "a" is in flight, nothing else to do
+    assert s.on_step_done(0, []).finished == ()
+    assert shape(s.plan()) == [("a", 4, 4, False)]
+    s.on_step_done(1, [])
+    assert shape(s.plan()) == [("a", 8, 2, True)]
+    out = s.on_step_done(2, [SampledToken(rid="a", token_id=7)])
+    assert [t.token_id for t in out.tokens] == [7] and not out.finished
+    p = s.plan()
+    assert shape(p) == [("a", 10, 1, True)] and p is not None and p.items[0].token_ids == (7,)
+    out = s.on_step_done(3, [SampledToken(rid="a", token_id=8)])
+    assert out.finished == (Finished("a", "length", (7, 8), 0, holds_memory=True),)
+    assert not s.has_work() and s.num_running == 0
+
+
+def test_decodes_first_then_prefill_chunks_then_admissions() -> None:
+    s = core(max_num_batched_tokens=6, max_inflight_steps=1)
+    s.add("a", [1, 2], max_tokens=5)
+    s.on_step_done(s.plan().step, [SampledToken(rid="a", token_id=3)])  # type: ignore[union-attr]
+    s.add("b", [1] * 9, max_tokens=5)
+    s.on_step_done(s.plan().step, [SampledToken(rid="a", token_id=3)])  # type: ignore[union-attr]
+    s.add("c", [4, 4], max_tokens=5)
+    # a decodes (1 token), b's prefill continues (its last 4), c gets the 1 token left
+    assert shape(s.plan()) == [("a", 3, 1, True), ("b", 5, 4, True), ("c", 0, 1, False)]
+
+
+def test_max_num_seqs_and_arrival_order() -> None:
+    s = core(max_num_seqs=2, max_num_batched_tokens=100)
+    for rid in "abc":
+        s.add(rid, [1, 2, 3], max_tokens=3)
+    assert shape(s.plan()) == [("a", 0, 3, True), ("b", 0, 3, True)]
+    assert s.plan() is None and s.num_running == 2 and s.num_waiting == 1
+
+
+def test_inflight_limit_and_no_request_in_two_steps() -> None:
+    s = core(max_num_batched_tokens=2, max_inflight_steps=2)
+    for rid in "abcd":
+        s.add(rid, [1], max_tokens=3)
+    p0, p1 = s.plan(), s.plan()
+    assert shape(p0) == [("a", 0, 1, True), ("b", 0, 1, True)]
+    assert shape(p1) == [("c", 0, 1, True), ("d", 0, 1, True)]
+    assert s.plan() is None and s.num_inflight_steps == 2
+    s.on_step_done(1, outputs_for(p1))  # type: ignore[arg-type]
+    assert shape(s.plan()) == [("c", 1, 1, True), ("d", 1, 1, True)]
+
+
+# ---------------------------------------------------------------- finishing
+
+
+def test_eos_and_stop_tokens_are_kept_in_ids() -> None:
+    s = core()
+    s.add("a", [1], max_tokens=9)
+    s.add("b", [1], max_tokens=9, stop_token_ids=[33])
+    p = s.plan()
+    out = s.on_step_done(p.step, outputs_for(p, {"a": EOS, "b": 33}))  # type: ignore[union-attr]
+    assert [(f.rid, f.finish_reason, f.output_token_ids, f.stop_token_id) for f in out.finished] == [
+        ("a", "stop", (EOS,), EOS),
+        ("b", "stop", (33,), 33),
+    ]
+    assert [t.token_id for t in out.tokens] == [EOS, 33]
+
+
+def test_max_model_len_ends_with_length() -> None:
+    s = core(max_model_len=4)
+    s.add("a", [1, 2, 3], max_tokens=9)
+    p = s.plan()
+    (f,) = s.on_step_done(p.step, outputs_for(p)).finished  # type: ignore[union-attr]
+    assert (f.finish_reason, f.output_token_ids) == ("length", (5,))
+
+
+def test_failed_items_end_with_error_and_free() -> None:
+    s = core()
+    s.add("a", [1], max_tokens=9)
+    s.add("b", [1], max_tokens=9)
+    p = s.plan()
+    out = s.on_step_done(p.step, outputs_for(p)[1:], failed=["a"])  # type: ignore[union-attr]
+    assert [(f.rid, f.finish_reason, f.holds_memory) for f in out.finished] == [("a", "error", True)]
+    assert [t.rid for t in out.tokens] == ["b"]
+
+
+# ---------------------------------------------------------------- cancel / stop
+
+
+def test_cancel_waiting_idle_inflight_unknown() -> None:
+    s = core(max_num_seqs=1)
+    s.add("a", [1], max_tokens=9)
+    s.add("b", [1], max_tokens=9)
+    p = s.plan()
+    assert s.cancel("a").status is CancelStatus.DEFERRED
+    assert s.stop("a").status is CancelStatus.DEFERRED  # the first reason wins
+    w = s.cancel("b")
+    assert w.status is CancelStatus.FINISHED and w.finished is not None
+    assert (w.finished.finish_reason, w.finished.holds_memory) == ("cancelled", False)
+    out = s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+    assert out.tokens == ()  # the deferred request's token is dropped
+    assert [(f.rid, f.finish_reason, f.output_token_ids, f.holds_memory) for f in out.finished] == [
+        ("a", "cancelled", (), True)
+    ]
+    assert s.cancel("a").status is CancelStatus.UNKNOWN and s.cancel("zz").status is CancelStatus.UNKNOWN
+
+
+def test_stop_of_idle_running_request_frees_now() -> None:
+    s = core()
+    s.add("a", [1], max_tokens=9)
+    p = s.plan()
+    s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+    got = s.stop("a")
+    assert got.finished == Finished("a", "stop", (5,), 0, holds_memory=True)
+    assert not s.has_work()
+
+
+# ---------------------------------------------------------------- refusals and preemption
+
+
+def run_to_decode(s: SchedulerCore, rids: str) -> None:
+    for rid in rids:
+        s.add(rid, [1, 2], max_tokens=50)
+    p = s.plan()
+    s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+
+
+def test_refused_admission_waits_in_place_and_alone_is_unservable() -> None:
+    s = core(max_num_batched_tokens=100)
+    s.add("a", [1] * 5, max_tokens=3)
+    s.add("b", [2] * 5, max_tokens=3)
+    p = s.plan()
+    out = s.on_refused(p.step, ["a", "b"])  # type: ignore[union-attr]
+    # "a" was refused with nobody holding memory: it can never fit; "b" came after "a": it waits
+    assert [(f.rid, f.finish_reason, f.holds_memory) for f in out.finished] == [("a", "error", False)]
+    assert out.preempted == () and s.num_waiting == 1 and s.num_inflight_steps == 0
+    assert s.on_step_done(p.step, []).finished == ()  # an empty StepDone of a retired step is ignored
+    assert shape(s.plan()) == [("b", 0, 5, True)]
+
+
+def test_refused_admissions_keep_their_queue_position() -> None:
+    s = core(max_num_batched_tokens=100, max_inflight_steps=1)
+    run_to_decode(s, "a")
+    s.add("b", [1], max_tokens=3)
+    s.add("c", [1], max_tokens=3)
+    p = s.plan()
+    out = s.on_refused(p.step, ["c", "b"])  # type: ignore[union-attr]
+    assert out.preempted == () and out.finished == () and s.num_waiting == 2
+    s.add("d", [1], max_tokens=3)
+    s.on_step_done(p.step, outputs_for(p)[:1])  # type: ignore[union-attr]
+    assert [i.rid for i in s.plan().items] == ["a", "b", "c", "d"]  # type: ignore[union-attr]
+
+
+def test_refused_decode_preempts_latest_idle_running() -> None:
+    s = core(max_num_batched_tokens=100)
+    run_to_decode(s, "abcd")
+    p = s.plan()
+    out = s.on_refused(p.step, ["b"])  # type: ignore[union-attr]
+    # only refused items are idle; the latest idle running request is "b" itself
+    assert out.preempted == ("b",)
+    b = s.get("b")
+    assert b is not None and (b.state, b.num_computed, b.num_preemptions) == (RequestState.WAITING, 0, 1)
+    assert b.output_token_ids == (5,)
+
+
+def test_refused_decodes_preempt_latest_never_oldest() -> None:
+    s = core(max_num_batched_tokens=100)
+    run_to_decode(s, "abcd")
+    p = s.plan()
+    out = s.on_refused(p.step, ["a", "b", "c", "d"])  # type: ignore[union-attr]
+    assert out.preempted == ("d", "c") and s.num_inflight_steps == 0
+    p = s.plan()  # no admission while "a" and "b" are short of memory
+    assert shape(p) == [("a", 2, 1, True), ("b", 2, 1, True)]
+    s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+    assert shape(s.plan()) == [("a", 3, 1, True), ("b", 3, 1, True), ("c", 0, 3, True), ("d", 0, 3, True)]
+
+
+def test_oldest_refused_alone_is_unservable() -> None:
+    s = core()
+    run_to_decode(s, "a")
+    p = s.plan()
+    out = s.on_refused(p.step, ["a"])  # type: ignore[union-attr]
+    assert [(f.rid, f.finish_reason, f.holds_memory, f.message != "") for f in out.finished] == [
+        ("a", "error", True, True)
+    ]
+
+
+def two_decodes_in_two_steps() -> tuple[SchedulerCore, StepPlan, StepPlan]:
+    s = core(max_num_batched_tokens=1)
+    s.add("a", [1], max_tokens=9)
+    s.add("b", [1], max_tokens=9)
+    for p in (s.plan(), s.plan()):
+        s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+    p2, p3 = s.plan(), s.plan()
+    assert shape(p2) == [("a", 1, 1, True)] and shape(p3) == [("b", 1, 1, True)]
+    return s, p2, p3  # type: ignore[return-value]
+
+
+def test_no_preemption_while_an_older_step_is_in_flight() -> None:
+    s, _, p3 = two_decodes_in_two_steps()
+    assert s.on_refused(p3.step, ["b"]) == RefuseOutcome()  # step 2 will end and free memory
+    assert s.get("b").state is RequestState.RUNNING  # type: ignore[union-attr]
+
+
+def test_newer_refused_steps_do_not_block_preemption() -> None:
+    s, p2, p3 = two_decodes_in_two_steps()
+    assert s.on_refused(p2.step, ["a"]) == RefuseOutcome()  # "a" is the oldest; "b" is in flight
+    p4 = s.plan()
+    assert shape(p4) == [("a", 1, 1, True)]
+    # step 3 is refused while only the newer step 4 is in flight: waiting for it could livelock
+    assert s.on_refused(p3.step, ["b"]).preempted == ("b",)
+
+
+def test_deferred_cancel_of_refused_item_finishes_there() -> None:
+    s = core()
+    run_to_decode(s, "ab")
+    p = s.plan()
+    assert s.cancel("b").status is CancelStatus.DEFERRED
+    out = s.on_refused(p.step, ["b"])  # type: ignore[union-attr]
+    assert out.preempted == () and [(f.rid, f.finish_reason, f.holds_memory) for f in out.finished] == [
+        ("b", "cancelled", True)
+    ]
+
+
+def test_preempted_request_recomputes_everything_and_samples_at_end() -> None:
+    s = core(max_num_batched_tokens=4, max_inflight_steps=1)
+    s.add("a", [1, 2], max_tokens=9)
+    s.add("b", [3, 4], max_tokens=9)
+    for tok in (10, 11):
+        p = s.plan()
+        s.on_step_done(p.step, outputs_for(p, {"a": tok, "b": tok}))  # type: ignore[union-attr]
+    p = s.plan()
+    assert s.on_refused(p.step, ["a", "b"]).preempted == ("b",)  # type: ignore[union-attr]
+    p = s.plan()  # b recomputes prompt + output ([3, 4, 10, 11]) in chunks and samples only at the end
+    assert shape(p) == [("a", 3, 1, True), ("b", 0, 3, False)] and p is not None
+    assert p.items[1].token_ids == (3, 4, 10)
+    s.on_step_done(p.step, outputs_for(p, {"a": 12}))
+    p = s.plan()
+    assert shape(p) == [("a", 4, 1, True), ("b", 3, 1, True)] and p is not None
+    assert p.items[1].token_ids == (11,)
+    out = s.on_step_done(p.step, outputs_for(p, {"a": 13, "b": 12}))
+    assert s.get("b").output_token_ids == (10, 11, 12)  # type: ignore[union-attr]
+    assert [t.token_id for t in out.tokens] == [13, 12]  # nothing is streamed twice
+
+
+# ---------------------------------------------------------------- simulation
+
+
+@dataclass
+class Arrival:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    stop: tuple[int, ...]
+
+
+@dataclass
+class Sim:
+    """The actor loop, a fake allocator (capacity in tokens, random refusals) and a fake executor
+    running `next_token` on the tokens it actually cached, wired by FIFO inboxes as in the system."""
+
+    core: SchedulerCore
+    capacity: int
+    rng: random.Random
+    refuse_p: float
+    fail_p: float
+    alloc_inbox: deque[tuple] = field(default_factory=deque)
+    sched_inbox: deque[tuple] = field(default_factory=deque)
+    exec_inbox: deque[tuple] = field(default_factory=deque)
+    held: dict[str, int] = field(default_factory=dict)  # allocator: tokens held per rid
+    kv: dict[str, list[int]] = field(default_factory=dict)  # executor: tokens cached per rid
+    inflight: dict[int, set[str]] = field(default_factory=dict)  # planned, not yet done
+    executing: dict[int, set[str]] = field(default_factory=dict)  # granted, not yet done
+    streamed: dict[str, list[int]] = field(default_factory=dict)
+    finished: dict[str, Finished] = field(default_factory=dict)
+    added: set[str] = field(default_factory=set)
+
+    def add(self, a: Arrival) -> None:
+        self.core.add(a.rid, a.prompt, a.max_tokens, a.stop)
+        self.added.add(a.rid)
+        self.pump()
+
+    def pump(self) -> None:
+        while (plan := self.core.plan()) is not None:
+            c = self.core
+            assert plan.num_tokens <= c.max_num_batched_tokens and c.num_running <= c.max_num_seqs
+            assert c.num_inflight_steps <= c.max_inflight_steps
+            rids = {i.rid for i in plan.items}
+            assert len(rids) == len(plan.items) and all(not (rids & s) for s in self.inflight.values())
+            self.inflight[plan.step] = rids
+            self.alloc_inbox.append(("allocate", plan))
+
+    def end(self, f: Finished) -> None:
+        assert f.rid not in self.finished, f"{f.rid} finished twice"
+        assert f.output_token_ids == tuple(self.streamed.get(f.rid, ())), f.rid
+        self.finished[f.rid] = f
+        if f.holds_memory:
+            self.alloc_inbox.append(("free", f.rid))
+
+    def end_early(self, rid: str, stop: bool) -> None:
+        got = self.core.stop(rid) if stop else self.core.cancel(rid)
+        assert (got.status is CancelStatus.UNKNOWN) == (rid in self.finished or rid not in self.added)
+        if got.finished is not None:
+            self.end(got.finished)
+        self.pump()
+
+    def allocator(self) -> None:
+        kind, arg = self.alloc_inbox.popleft()
+        if kind == "free":
+            assert all(arg not in s for s in self.executing.values()), f"{arg} freed while in use"
+            del self.held[arg]
+            self.kv.pop(arg, None)
+            return
+        granted, refused = [], []
+        for item in arg.items:
+            assert self.held.get(item.rid, 0) == item.prefix_len
+            others = any(r != item.rid for r in self.held)
+            used = sum(self.held.values()) + len(item.token_ids)
+            if used > self.capacity or (others and self.rng.random() < self.refuse_p):
+                refused.append(item.rid)
+            else:
+                self.held[item.rid] = item.seq_len
+                granted.append(item)
+        self.executing[arg.step] = {item.rid for item in granted}
+        if refused:
+            self.sched_inbox.append(("refused", arg.step, refused))
+        self.exec_inbox.append((arg.step, granted))
+
+    def executor(self) -> None:
+        step, items = self.exec_inbox.popleft()
+        outputs, failed = [], []
+        for item in items:
+            if self.rng.random() < self.fail_p:
+                failed.append(item.rid)
+                continue
+            kv = self.kv.setdefault(item.rid, [])
+            assert len(kv) == item.prefix_len
+            kv.extend(item.token_ids)
+            if item.sample:
+                outputs.append(SampledToken(rid=item.rid, token_id=next_token(kv)))
+        self.sched_inbox.append(("done", step, outputs, failed))
+
+    def scheduler(self) -> None:
+        msg = self.sched_inbox.popleft()
+        if msg[0] == "refused":
+            out = self.core.on_refused(msg[1], msg[2])
+            self.inflight[msg[1]] -= set(msg[2])
+            for rid in out.preempted:
+                self.alloc_inbox.append(("free", rid))
+            finished = out.finished
+        else:
+            res = self.core.on_step_done(msg[1], msg[2], msg[3])
+            self.inflight.pop(msg[1])
+            self.executing.pop(msg[1])
+            for tok in res.tokens:
+                self.streamed.setdefault(tok.rid, []).append(tok.token_id)
+            finished = res.finished
+        for f in finished:
+            self.end(f)
+        self.pump()
+
+    def busy(self) -> list:
+        return [q for q in (self.alloc_inbox, self.exec_inbox, self.sched_inbox) if q]
+
+    def drain(self, max_events: int = 5_000) -> None:
+        """No more refusals, failures or cancels: everything must finish (no starvation)."""
+        self.refuse_p = self.fail_p = 0.0
+        for _ in range(max_events):
+            if self.alloc_inbox:
+                self.allocator()
+            elif self.exec_inbox:
+                self.executor()
+            elif self.sched_inbox:
+                self.scheduler()
+            else:
+                break
+        assert not self.busy() and not self.core.has_work(), "starved or stuck"
+        assert not self.held and not self.executing, "memory leaked"
+
+
+arrivals_st = st.lists(
+    st.tuples(
+        st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=14),
+        st.integers(1, 12),
+        st.sampled_from([(), (7,), (3, 11)]),
+    ),
+    min_size=1,
+    max_size=7,
+).map(lambda xs: [Arrival(f"r{i}", p, m, s) for i, (p, m, s) in enumerate(xs)])
+
+limits_st = st.fixed_dictionaries(
+    {
+        "max_num_seqs": st.integers(1, 4),
+        "max_num_batched_tokens": st.integers(1, 12),
+        "max_model_len": st.integers(14, 24),
+        "max_inflight_steps": st.integers(1, 3),
+    }
+)
+
+
+def run_sim(limits: dict, arrivals: list[Arrival], rng: random.Random, capacity: int, chaos: bool) -> Sim:
+    sim = Sim(SchedulerCore(**limits, eos_token_ids=(EOS,)), capacity, rng, 0.3 * chaos, 0.02 * chaos)
+    pending = deque(arrivals)
+    for _ in range(rng.randint(0, 300)):
+        choice = rng.randrange(6)
+        if choice == 0 and pending:
+            sim.add(pending.popleft())
+        elif choice == 1 and sim.alloc_inbox:
+            sim.allocator()
+        elif choice == 2 and sim.exec_inbox:
+            sim.executor()
+        elif choice == 3 and sim.sched_inbox:
+            sim.scheduler()
+        elif choice == 4 and chaos and rng.random() < 0.1:
+            sim.end_early(rng.choice([*sorted(sim.added), "nope"]), stop=rng.random() < 0.5)
+    while pending:
+        sim.add(pending.popleft())
+    sim.drain()
+    return sim
+
+
+@settings(deadline=None, max_examples=150)
+@given(limits=limits_st, arrivals=arrivals_st, rng=st.randoms(use_true_random=False))
+def test_simulation_invariants_and_preemption_is_invisible(
+    limits: dict, arrivals: list[Arrival], rng: random.Random
+) -> None:
+    capacity = limits["max_model_len"] + rng.randint(0, 20)  # any request fits alone
+    seed = rng.getrandbits(32)
+    calm = run_sim(limits, arrivals, random.Random(seed), 10**9, chaos=False)
+    busy = run_sim(limits, arrivals, random.Random(seed), capacity, chaos=True)
+    for a in arrivals:
+        reason, want = reference(a.prompt, a.max_tokens, {EOS, *a.stop}, limits["max_model_len"])
+        f, g = calm.finished[a.rid], busy.finished[a.rid]
+        assert (f.finish_reason, list(f.output_token_ids), f.num_preemptions) == (reason, want, 0)
+        assert g.message == ""  # nothing was declared unservable: every request fits alone
+        if g.finish_reason in ("cancelled", "error") or (
+            g.finish_reason == "stop" and g.stop_token_id is None
+        ):
+            assert list(g.output_token_ids) == want[: len(g.output_token_ids)]
+        else:
+            assert (g.finish_reason, list(g.output_token_ids)) == (reason, want)
+    assert calm.finished.keys() == busy.finished.keys() == {a.rid for a in arrivals}
+
+
+@settings(deadline=None, max_examples=40)
+@given(limits=limits_st, arrivals=arrivals_st, rng=st.randoms(use_true_random=False))
+def test_simulation_with_too_little_memory_fails_only_the_requests_that_cannot_fit(
+    limits: dict, arrivals: list[Arrival], rng: random.Random
+) -> None:
+    capacity = rng.randint(4, limits["max_model_len"])
+    sim = run_sim(limits, arrivals, random.Random(rng.getrandbits(32)), capacity, chaos=False)
+    assert sim.finished.keys() == {a.rid for a in arrivals}
+    for a in arrivals:
+        f = sim.finished[a.rid]
+        need = min(len(a.prompt) + a.max_tokens - 1, limits["max_model_len"])
+        if f.finish_reason == "error":
+            assert f.message and need > capacity
+        else:
+            _, want = reference(a.prompt, a.max_tokens, {EOS, *a.stop}, limits["max_model_len"])
+            assert list(f.output_token_ids) == want

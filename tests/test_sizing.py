@@ -1,0 +1,197 @@
+"""memory/sizing.py: every Flash figure checked against arithmetic written out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4serve.config import ConfigError, ModelConfig, npu_state_pool_size
+from dsv4serve.memory.sizing import GIB, count_weights, plan, swa_slots_per_request, token_unit
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "configs"
+OFFICIAL_FLASH_TOTAL_SIZE = 159_609_485_896  # model.safetensors.index.json of DeepSeek-V4-Flash
+
+
+def load(name: str) -> ModelConfig:
+    return ModelConfig.from_json_file(FIXTURES / f"deepseek_v4_{name}.config.json")
+
+
+@pytest.fixture(scope="module")
+def flash() -> ModelConfig:
+    return load("flash")
+
+
+def fp8(rows: int, cols: int) -> int:
+    return rows * cols + math.ceil(rows / 128) * math.ceil(cols / 128)
+
+
+def fp4(rows: int, cols: int) -> int:
+    return rows * cols // 2 + rows * cols // 32
+
+
+def flash_bytes_by_hand() -> tuple[int, int]:
+    """(main model bytes, MTP block bytes) of the official Flash checkpoint, from its tensor list."""
+    h, v, d, nh, qr, e, inter = 4096, 129280, 512, 64, 1024, 256, 2048
+    hc_head = (4 * 4 * h + 4 + 1) * 4
+    block = (
+        2 * (24 * 4 * h + 24 + 3) * 4  # hc_attn_*, hc_ffn_* (fp32)
+        + (2 * h + qr + d) * 2  # attn_norm, ffn_norm, q_norm, kv_norm
+        + fp8(qr, h) + fp8(nh * d, qr) + fp8(d, h) + fp8(8 * 1024, nh * d // 8) + fp8(h, 8 * 1024)
+        + nh * 4  # attn_sink
+        + e * h * 2  # router weight
+        + e * (2 * fp4(inter, h) + fp4(h, inter))  # routed experts
+        + 2 * fp8(inter, h) + fp8(h, inter)  # shared expert
+    )  # fmt: skip
+    c4 = (2 * 2 * d * h * 2 + 4 * 2 * d * 4 + d * 2) + (  # compressor
+        fp8(64 * 128, qr) + 64 * h * 2 + 2 * 256 * h * 2 + 4 * 256 * 4 + 128 * 2  # indexer
+    )
+    c128 = 2 * d * h * 2 + 128 * d * 4 + d * 2
+    main = (
+        2 * v * h * 2 + h * 2 + hc_head  # embed, head, norm, hc_head
+        + 43 * block + 3 * v * 6 * 8 + 40 * e * 4  # tid2eid on 3 hash layers, router bias on 40
+        + 21 * c4 + 20 * c128
+    )  # fmt: skip
+    mtp = 3 * h * 2 + 2 * fp8(h, h) + hc_head + block + e * 4
+    return main, mtp
+
+
+def test_flash_weights_match_the_official_checkpoint_size(flash: ModelConfig) -> None:
+    main, mtp = flash_bytes_by_hand()
+    assert main + mtp == OFFICIAL_FLASH_TOTAL_SIZE
+    params, nbytes, groups = count_weights(flash, "official")
+    assert nbytes == main == 156_015_698_140 == sum(b for _, b in groups)
+    assert params == 284_334_567_511
+    assert dict(groups)["routed_experts"] == 43 * 256 * (2 * fp4(2048, 4096) + fp4(4096, 2048))
+
+
+def test_bf16_weights(flash: ModelConfig) -> None:
+    params, _, groups = count_weights(flash, "bf16")
+    assert params == count_weights(flash, "official")[0]
+    assert dict(groups)["routed_experts"] == 43 * 256 * 3 * 2048 * 4096 * 2
+    assert dict(groups)["embed_head"] == 2 * 129280 * 4096 * 2
+    with pytest.raises(ConfigError, match="weight_format"):
+        count_weights(flash, "int4")
+
+
+def test_flash_per_token_and_per_request_figures(flash: ModelConfig) -> None:
+    p = plan(flash, dtype="bfloat16", page_size=128, max_running=64, hbm_gib=64)
+    assert (p.num_layers, p.num_c4_layers, p.num_c128_layers, p.hca_ratio) == (43, 21, 20, 128)
+    assert p.swa_bytes_per_token == 43 * 512 * 2 == 44032
+    assert p.c4_bytes_per_token == 21 * 512 * 2 / 4 == 5376
+    assert p.c4_indexer_bytes_per_token == 21 * 128 * 2 / 4 == 1344
+    assert p.c128_bytes_per_token == 20 * 512 * 2 / 128 == 160
+    assert p.kv_bytes_per_token == 5376 + 1344 + 160 == 6880
+    assert p.c4_state_bytes_per_slot == 21 * (2 * 2 * 512 + 2 * 2 * 128) * 4 == 215040
+    assert p.c128_state_bytes_per_slot == 20 * 2 * 512 * 4 == 81920
+    assert (p.swa_slots_per_request, p.c4_state_slots_per_request, p.c128_state_slots_per_request) == (
+        256,
+        256,
+        384,
+    )
+    assert p.bytes_per_request == 256 * 44032 + 256 * 215040 + 384 * 81920 == 97_779_712
+    assert (p.swa_slots, p.c4_state_slots, p.c128_state_slots) == (64 * 256, 16384, 24576)
+
+
+def test_flash_on_one_64_gib_device_does_not_fit(flash: ModelConfig) -> None:
+    p = plan(flash, hbm_gib=64)
+    assert p.budget_bytes == 64 * GIB
+    assert p.fixed_bytes == 156_015_698_140 + 64 * 97_779_712
+    assert (p.token_budget_bytes, p.full_slots, p.c4_slots, p.c128_slots, p.kv_bytes) == (0, 0, 0, 0, 0)
+    assert not p.fits
+
+
+def test_flash_on_eight_64_gib_devices(flash: ModelConfig) -> None:
+    p = plan(flash, hbm_gib=64, num_devices=8)
+    assert p.weight_bytes_per_device == math.ceil(156_015_698_140 / 8) == 19_501_962_268
+    left = 64 * GIB - 19_501_962_268 - 64 * 97_779_712
+    assert p.token_budget_bytes == left == 42_959_612_900
+    unit = 128 * 128  # whole pages in c4 (unit / 4) and c128 (unit / 128)
+    assert left // (unit * 6880) == 381
+    assert (p.full_slots, p.c4_slots, p.c128_slots) == (381 * unit, 381 * unit // 4, 381 * unit // 128)
+    assert p.kv_bytes == p.full_slots * 6880
+    assert p.total_bytes == p.fixed_bytes + p.kv_bytes <= p.budget_bytes
+    assert p.fits
+
+
+def test_dtype_scales_kv_but_not_state(flash: ModelConfig) -> None:
+    bf16, fp32 = plan(flash, dtype="bfloat16"), plan(flash, dtype="float32")
+    assert fp32.swa_bytes_per_token == 2 * bf16.swa_bytes_per_token
+    assert fp32.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token
+    assert fp32.c4_state_bytes_per_slot == bf16.c4_state_bytes_per_slot
+
+
+def test_pro_figures() -> None:
+    p = plan(load("pro"), num_devices=16, hbm_gib=64)
+    assert p.swa_bytes_per_token == 61 * 512 * 2
+    assert p.kv_bytes_per_token == 30 * 512 * 2 / 4 + 30 * 128 * 2 / 4 + 31 * 512 * 2 / 128 == 9848
+    assert (p.c4_state_slots, p.c128_state_slots) == (16384, 24576)
+
+
+def test_small_ratio_and_no_hca_layers(flash: ModelConfig) -> None:
+    tiny = dataclasses.replace(flash, num_layers=4, compress_ratios=(0, 4, 8, 4), sliding_window=8)
+    p = plan(tiny, page_size=16, max_running=3, hbm_gib=1, weight_format="bf16")
+    assert p.swa_slots_per_request == (math.ceil(8 / 16) + 1) * 16
+    assert p.c128_state_slots == npu_state_pool_size(8, 16, 3) == 2 * 3 * 16
+    assert token_unit(tiny, 16) == 16 * 8 and p.full_slots % 128 == 0
+    assert p.c128_bytes_per_token == 1 * 512 * 2 / 8
+    no_hca = dataclasses.replace(flash, compress_ratios=(0, 4) * 21 + (0,))
+    q = plan(no_hca, num_devices=8)
+    assert (q.hca_ratio, q.c128_slots, q.c128_state_slots, q.c128_bytes_per_token) == (0, 0, 0, 0)
+    assert q.c4_slots == q.full_slots // 4 > 0
+
+
+def test_all_swa_model_is_capped_by_max_position_embeddings(flash: ModelConfig) -> None:
+    swa_only = dataclasses.replace(flash, compress_ratios=(0,) * 43, max_position_embeddings=4096)
+    p = plan(swa_only, max_running=2, num_devices=8)
+    assert (p.kv_bytes_per_token, p.full_slots, p.c4_state_slots) == (0, 2 * 4096, 0)
+
+
+def test_to_dict_is_json(flash: ModelConfig) -> None:
+    d = json.loads(json.dumps(plan(flash).to_dict()))
+    assert (d["c4_state_slots"], d["c128_state_slots"], d["c4_bytes_per_token"]) == (16384, 24576, 5376)
+    assert sum(d["weight_bytes_by_group"].values()) == d["weight_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"dtype": "int8"}, "dtype"),
+        ({"page_size": 96}, "page_size"),
+        ({"page_size": 0}, "page_size"),
+        ({"max_running": 0}, "max_running"),
+        ({"hbm_gib": 0}, "hbm_gib"),
+        ({"hbm_gib": float("nan")}, "hbm_gib"),
+        ({"num_devices": 0}, "num_devices"),
+        ({"weight_format": "gguf"}, "weight_format"),
+    ],
+)
+def test_bad_inputs_name_the_key(flash: ModelConfig, kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        plan(flash, **kwargs)  # type: ignore[arg-type]
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    page_size=st.sampled_from([16, 64, 128, 256]),
+    max_running=st.integers(1, 256),
+    hbm_gib=st.floats(1, 2048),
+    num_devices=st.integers(1, 16),
+)
+def test_plan_invariants(page_size: int, max_running: int, hbm_gib: float, num_devices: int) -> None:
+    model = load("flash")
+    p = plan(model, page_size=page_size, max_running=max_running, hbm_gib=hbm_gib, num_devices=num_devices)
+    unit = token_unit(model, page_size)
+    assert p.full_slots % unit == 0 and p.c4_slots % page_size == 0 and p.c128_slots % page_size == 0
+    assert p.swa_slots == max_running * swa_slots_per_request(model, page_size)
+    assert p.c4_state_slots == npu_state_pool_size(4, page_size, max_running)
+    assert p.c128_state_slots == npu_state_pool_size(128, page_size, max_running)
+    assert p.total_bytes <= p.budget_bytes or not p.fits
+    capped = p.full_slots + unit > max_running * model.max_position_embeddings
+    one_more_unit = p.fixed_bytes + p.kv_bytes + unit * 6880
+    assert capped or one_more_unit > p.budget_bytes  # no room was left unused
