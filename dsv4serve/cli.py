@@ -189,9 +189,193 @@ def _run_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ engine flags
+
+
+def _engine_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """The flags every engine-running command shares; defaults are EngineConfig's."""
+    d = EngineConfig()
+    if model:
+        p.add_argument("--model", type=Path, required=True, metavar="DIR", help="model directory")
+    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or npu")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: float32 on cpu, else bf16")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs, help="most running")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-total-tokens", type=_positive_int, default=d.max_total_tokens, help="KV capacity")
+    p.add_argument("--page-size", type=_positive_int, default=d.page_size, help="tokens per page")
+    p.add_argument("--state-mode", choices=STATE_MODES, default=d.state_mode, help="compressor state layout")
+    p.add_argument("--seed", type=int, default=d.seed, help="engine sampling seed")
+    p.add_argument("--log-level", choices=LEVELS, default="warning", help="stderr log level")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_total_tokens=args.max_total_tokens,
+        page_size=args.page_size,
+        state_mode=args.state_mode,
+        seed=args.seed,
+    )
+
+
+def _system_options(args: argparse.Namespace, model_dir: Path) -> SystemOptions:
+    ModelConfig.from_dir(model_dir)  # a bad model directory is a one-line usage error, before any work
+    return system_options(model_dir, _engine_config(args))
+
+
+# ------------------------------------------------------------------------------------------- serve
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stdio", action="store_true", required=True, help="JSON lines on stdin / stdout")
+    _engine_arguments(p)
+    p.set_defaults(log_level="info")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from dsv4serve import stdio  # noqa: PLC0415 (torch is heavy: import only when asked)
+
+    options = _system_options(args, args.model)
+    configure_logs(args.log_level, stream=sys.stderr)
+    return stdio.run(options)
+
+
+# ---------------------------------------------------------------------------------------- generate
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="the prompt text (BOS is prepended)")
+    p.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)")
+    _engine_arguments(p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from dsv4serve.api import SamplingParams  # noqa: PLC0415
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            stop=args.stop,
+        )
+    except ValueError as exc:
+        return _fail(f"dsv4serve generate: error: {exc}")
+    options = _system_options(args, args.model)
+    configure_logs(args.log_level, stream=sys.stderr)
+    completion = trio.run(_stream_to_stdout, options, args.prompt, params)
+    print(file=sys.stdout, flush=True)
+    print(f"finish_reason: {completion.finish_reason}", file=sys.stderr)
+    return 0
+
+
+async def _stream_to_stdout(options: SystemOptions, prompt: str, params: SamplingParams) -> Completion:
+    from dsv4serve.api import AsyncEngine, Completion  # noqa: PLC0415
+
+    async with AsyncEngine.from_options(options) as engine:
+        async for event in engine.stream(prompt, params):
+            if isinstance(event, Completion):
+                return event
+            print(event.text, end="", flush=True)
+    raise AssertionError("a stream always ends with its Completion")
+
+
+# -------------------------------------------------------------------------------------------- demo
+
+DEMO_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Five actors pass messages:",
+    "DeepSeek-V4 compresses its KV cache by",
+)
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="default: $DSV4SERVE_CACHE or ~/.cache/dsv4serve"
+    )
+    p.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    _engine_arguments(p, model=False)
+    p.set_defaults(max_total_tokens=4096)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from dsv4serve.api import SamplingParams  # noqa: PLC0415
+
+    cache = args.cache_dir or Path(os.environ.get("DSV4SERVE_CACHE") or Path.home() / ".cache" / "dsv4serve")
+    configure_logs(args.log_level, stream=sys.stderr)
+    model_dir, built = tiny_checkpoint(cache, seed=0)
+    print(f"tiny DeepSeek-V4 checkpoint: {model_dir} ({'built' if built else 'cached'})", flush=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    options = _system_options(args, model_dir)
+    completions, seconds = trio.run(_demo, options, params)
+    num_tokens = sum(len(c.token_ids) for c in completions)
+    reasons = ", ".join(f"{r}={sum(c.finish_reason == r for c in completions)}" for r in FINISH_REASONS)
+    print(
+        f"summary: {len(completions)} requests, {num_tokens} tokens in {seconds:.2f} s, "
+        f"{num_tokens / seconds:.1f} tokens/s ({reasons})"
+    )
+    return 0
+
+
+def tiny_checkpoint(cache: Path, seed: int) -> tuple[Path, bool]:
+    """The tiny checkpoint `cache/tiny-seed{seed}`, built on first use; (path, whether it was built)."""
+    from dsv4serve.models.tiny import make_tiny  # noqa: PLC0415
+
+    target = cache / f"tiny-seed{seed}"
+    if (target / "config.json").is_file():
+        return target, False
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache))
+    make_tiny(staging, seed)
+    try:
+        staging.rename(target)  # atomic: a complete checkpoint or none
+    except OSError:  # another process won the race
+        shutil.rmtree(staging)
+    return target, True
+
+
+async def _demo(options: SystemOptions, params: SamplingParams) -> tuple[list[Completion], float]:
+    from dsv4serve.api import AsyncEngine  # noqa: PLC0415
+
+    completions: list[Completion] = []
+    async with AsyncEngine.from_options(options) as engine:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for i, prompt in enumerate(DEMO_PROMPTS):
+                nursery.start_soon(_demo_stream, engine, i, prompt, params, completions)
+        seconds = trio.current_time() - start
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        done = next(c for c in completions if c.prompt_token_ids and getattr(c, "_i", i) == i)
+        del done
+    return completions, seconds
+
+
+async def _demo_stream(
+    engine: AsyncEngine, index: int, prompt: str, params: SamplingParams, out: list[Completion]
+) -> None:
+    from dsv4serve.api import Completion  # noqa: PLC0415
+
+    async for event in engine.stream(prompt, params):
+        if isinstance(event, Completion):
+            out.append(event)
+            print(f"[{index}] {prompt!r} -> {event.text!r} ({event.finish_reason})", flush=True)
+        else:
+            print(f"[{index}] + {event.text!r}", flush=True)
+
+
 # ---------------------------------------------------------------------------------------- commands
-# One entry per subcommand. Still to come (each adds `_<name>_arguments` / `_run_<name>` above and an
-# entry here): "serve" (--stdio), "generate", "demo", "bench".
+# One entry per subcommand. Still to come (it adds `_<name>_arguments` / `_run_<name>` above and an
+# entry here): "bench".
 
 COMMANDS: Mapping[str, Command] = MappingProxyType(
     {
@@ -199,5 +383,8 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
         "make-tiny": Command(
             "write a tiny random DeepSeek-V4 checkpoint", _make_tiny_arguments, _run_make_tiny
         ),
+        "serve": Command("serve JSON-lines requests on stdin (--stdio)", _serve_arguments, _run_serve),
+        "generate": Command("print the completion of one prompt", _generate_arguments, _run_generate),
+        "demo": Command("stream a few prompts through a tiny checkpoint", _demo_arguments, _run_demo),
     }
 )

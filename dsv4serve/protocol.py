@@ -359,6 +359,7 @@ class Detokenize(_Msg, frozen=True, tag="detokenize"):
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     logprobs: tuple[float, ...] | None = None  # one per id when the request asked for them
+    num_preemptions: int = 0  # with a finish_reason: how often the request was preempted (for its log line)
 
 
 class FailRequest(_Msg, frozen=True, tag="fail_request"):
@@ -369,7 +370,13 @@ class FailRequest(_Msg, frozen=True, tag="fail_request"):
     message: str
 
 
-TokenizerMsg: TypeAlias = Submit | Detokenize | FailRequest | Drain
+class CancelRequest(_Msg, frozen=True, tag="cancel_request"):
+    """Cancel `rid`: handle -> tokenizer (keeps it behind the request's Submit) -> scheduler."""
+
+    rid: str
+
+
+TokenizerMsg: TypeAlias = Submit | Detokenize | FailRequest | CancelRequest | Drain
 
 
 def submit_of(req: Generate) -> Submit:
@@ -395,10 +402,6 @@ class Tokenized(_Msg, frozen=True, tag="tokenized"):
     max_tokens: int
     stop_token_ids: tuple[int, ...]
     sampling: SamplingSpec
-
-
-class CancelRequest(_Msg, frozen=True, tag="cancel_request"):
-    rid: str
 
 
 class SampledToken(msgspec.Struct, frozen=True, kw_only=True):
@@ -465,6 +468,7 @@ class WriteLocs(_Msg, frozen=True, tag="write_locs"):
     step: int
     plan: StepPlan
     locs: tuple[CacheLocs, ...]
+    pool_used: dict[str, int] = {}  # slots in use per pool after this step's grants (for the step's log line)
 
 
 KVWriterMsg: TypeAlias = WriteLocs | Drain
@@ -473,6 +477,7 @@ KVWriterMsg: TypeAlias = WriteLocs | Drain
 class TablesReady(_Msg, frozen=True, tag="tables_ready"):
     step: int
     plan: StepPlan
+    pool_used: dict[str, int] = {}
 
 
 ExecutorMsg: TypeAlias = TablesReady | Drain

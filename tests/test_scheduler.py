@@ -288,16 +288,38 @@ def test_preempted_request_recomputes_everything_and_samples_at_end() -> None:
         s.on_step_done(p.step, outputs_for(p, {"a": tok, "b": tok}))  # type: ignore[union-attr]
     p = s.plan()
     assert s.on_refused(p.step, ["a", "b"]).preempted == ("b",)  # type: ignore[union-attr]
-    p = s.plan()  # b recomputes prompt + output ([3, 4, 10, 11]) in chunks and samples only at the end
-    assert shape(p) == [("a", 3, 1, True), ("b", 0, 3, False)] and p is not None
+    p = s.plan()  # "a" is short of memory: "b" waits until "a" ran again
+    assert shape(p) == [("a", 3, 1, True)]
+    s.on_step_done(p.step, outputs_for(p, {"a": 12}))  # type: ignore[union-attr]
+    p = s.plan()  # "b" recomputes prompt + output ([3, 4, 10, 11]) in chunks, sampling at the end
+    assert shape(p) == [("a", 4, 1, True), ("b", 0, 3, False)] and p is not None
     assert p.items[1].token_ids == (3, 4, 10)
-    s.on_step_done(p.step, outputs_for(p, {"a": 12}))
+    s.on_step_done(p.step, outputs_for(p, {"a": 13}))
     p = s.plan()
-    assert shape(p) == [("a", 4, 1, True), ("b", 3, 1, True)] and p is not None
+    assert shape(p) == [("a", 5, 1, True), ("b", 3, 1, True)] and p is not None
     assert p.items[1].token_ids == (11,)
-    out = s.on_step_done(p.step, outputs_for(p, {"a": 13, "b": 12}))
+    out = s.on_step_done(p.step, outputs_for(p, {"a": 14, "b": 12}))
     assert s.get("b").output_token_ids == (10, 11, 12)  # type: ignore[union-attr]
-    assert [t.token_id for t in out.tokens] == [13, 12]  # nothing is streamed twice
+    assert [t.token_id for t in out.tokens] == [14, 12]  # nothing is streamed twice
+
+
+def test_oldest_request_holding_memory_is_never_preempted() -> None:
+    s = core(max_num_batched_tokens=100)
+    s.add("x", [1], max_tokens=2)
+    s.add("a", [1], max_tokens=9)
+    p0 = s.plan()
+    s.on_step_done(p0.step, outputs_for(p0))  # type: ignore[union-attr]
+    p1 = s.plan()
+    s.add("c", [1], max_tokens=9)
+    p2 = s.plan()
+    assert shape(p1) == [("x", 1, 1, True), ("a", 1, 1, True)] and shape(p2) == [("c", 0, 1, True)]
+    assert s.on_refused(p1.step, ["a"]).preempted == ("a",)  # type: ignore[union-attr]
+    assert s.on_step_done(p1.step, outputs_for(p1)[:1]).finished[0].rid == "x"  # type: ignore[union-attr]
+    s.on_step_done(p2.step, outputs_for(p2))  # type: ignore[union-attr]
+    p3 = s.plan()
+    assert shape(p3) == [("c", 1, 1, True), ("a", 0, 2, True)]
+    # "a" arrived first but is only being admitted: "c" is the oldest holding memory, so it stays
+    assert s.on_refused(p3.step, ["c"]) == RefuseOutcome()  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- simulation

@@ -197,7 +197,7 @@ class KVAllocator:
         for p in self._paged_states:
             ratio = self._ratios[p]
             step_keep = keep_start(ratio, seq)
-            out.append((p, max(prefix, step_keep), seq, keep_start(ratio, prefix), keep_start(ratio, prefix)))
+            out.append((p, max(prefix, step_keep), seq, keep_start(ratio, prefix), step_keep))
         return out
 
     def _plan(self, req: _Request, windows: list[_Window]) -> list[tuple[int, int]] | str:
@@ -205,7 +205,7 @@ class KVAllocator:
         size, out = self.page_size, []
         for p, lo, hi, _, keep in windows:
             evict, take = req.runs[p].plan(lo, hi, keep, size)
-            if take > self._pools[p].num_free + evict:
+            if take > self._pools[p].num_free + evict + 1:
                 return POOL_NAMES[p]
             out.append((evict, take))
         return out

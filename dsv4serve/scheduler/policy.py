@@ -10,8 +10,8 @@ Policy, in a few lines:
   reaches the end of the request's tokens.
 - `num_computed` advances only when a step is done, so a refused item rolls back by forgetting it.
 - When the allocator refuses a RUNNING request and no older step is in flight (whose end would free
-  memory), the latest-arriving idle RUNNING request is preempted (never the oldest one running;
-  possibly the refused one itself). A preempted request keeps its tokens and later recomputes
+  memory), the latest-arriving idle RUNNING request is preempted (never the oldest one holding
+  memory; possibly the refused one itself). A preempted request keeps its tokens and later recomputes
   prompt + output as one prefill, sampling only at its end.
 - A request refused while nobody else held memory can never fit: it ends with "error".
 - Cancel/stop of a request in an in-flight step waits for that step (its memory is in use).
@@ -254,10 +254,10 @@ class SchedulerCore:
 
     def _choose_victims(self, needy: list[Request]) -> list[Request]:
         """One victim per refused request still running: the latest-arriving idle RUNNING request,
-        never the oldest running one."""
+        never the oldest one holding memory (which therefore always makes progress)."""
         if not needy:
             return []
-        oldest = min(self._running.values(), key=lambda r: r.arrival)
+        oldest = min((r for r in self._running.values() if not r.being_admitted), key=lambda r: r.arrival)
         idle = [r for r in self._running.values() if r.inflight_step is None and r is not oldest]
         candidates = sorted(idle, key=lambda r: r.arrival)
         victims: list[Request] = []

@@ -97,6 +97,11 @@ class Request:
         return len(self.all_token_ids) - self.num_computed
 
     @property
+    def being_admitted(self) -> bool:
+        """In flight in the step that admitted it: it may hold no memory yet."""
+        return self.inflight_step is not None and self.inflight_step == self.admitted_step
+
+    @property
     def output_token_ids(self) -> tuple[int, ...]:
         return tuple(self.all_token_ids[self.prompt_len :])
 

@@ -1,0 +1,244 @@
+"""The tokenizer actor: prompts -> `Tokenized`; sampled ids -> text deltas, stop strings, client events.
+
+It is the only actor that talks to clients: every accepted request ends here with exactly one
+terminal event (`done` or `error`). `Clients` is the boundary registry of the live requests' event
+channels: the engine handle adds entries and marks cancels, this actor ends them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import assert_never
+
+import structlog
+import trio
+
+from dsv4serve.actors.tokenizer_core import IncrementalDetokenizer, StopMatcher, SupportsDecode
+from dsv4serve.protocol import (
+    CancelRequest,
+    Detokenize,
+    DoneEvent,
+    Drain,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    FailRequest,
+    FinishReason,
+    SchedulerMsg,
+    StopHit,
+    Submit,
+    Timing,
+    TokenEvent,
+    Tokenized,
+    TokenizerMsg,
+    Usage,
+)
+
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(eq=False, slots=True)
+class Client:
+    events: trio.MemorySendChannel[Event]
+    arrival: float  # trio.current_time() when accepted
+    ended: bool = False  # its terminal event is out (or being sent)
+    cancelled: bool = False  # a cancel was issued (by the handle, or because the client went away)
+    cancel_pending: bool = False  # that cancel has not reached the tokenizer yet
+
+
+class Clients:
+    """rid -> Client of every accepted request until it ended; an ended entry lingers while a cancel
+    for it is still on its way (so the id is not reused under that stale cancel)."""
+
+    def __init__(self) -> None:
+        self._by_rid: dict[str, Client] = {}
+        self.num_live = 0
+
+    def get(self, rid: str) -> Client | None:
+        return self._by_rid.get(rid)
+
+    def add(self, rid: str, client: Client) -> None:
+        assert rid not in self._by_rid, rid
+        self._by_rid[rid] = client
+        self.num_live += 1
+
+    def end(self, rid: str) -> Client:
+        client = self._by_rid[rid]
+        assert not client.ended, f"{rid} ended twice"
+        client.ended = True
+        self.num_live -= 1
+        if not client.cancel_pending:
+            del self._by_rid[rid]
+        return client
+
+    def cancel_arrived(self, rid: str) -> Client | None:
+        client = self._by_rid.get(rid)
+        if client is not None:
+            client.cancel_pending = False
+            if client.ended:
+                del self._by_rid[rid]
+        return client
+
+    def live(self) -> list[tuple[str, Client]]:
+        return [(rid, c) for rid, c in self._by_rid.items() if not c.ended]
+
+
+@dataclass(eq=False, slots=True)
+class _Output:
+    prompt_len: int
+    stream: bool
+    want_logprobs: bool
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    first_token_at: float | None = None
+
+
+@dataclass(eq=False)
+class _Tokenizer:
+    scheduler: trio.MemorySendChannel[SchedulerMsg]
+    clients: Clients
+    encode: Encode
+    decoder: SupportsDecode
+    max_model_len: int
+    outputs: dict[str, _Output] = field(default_factory=dict)
+    log: structlog.typing.FilteringBoundLogger = field(
+        default_factory=lambda: structlog.get_logger().bind(actor="tokenizer")
+    )
+
+    async def submit(self, msg: Submit) -> None:
+        try:
+            ids = msg.prompt_token_ids
+            if ids is None:
+                assert msg.prompt is not None
+                ids = tuple(await trio.to_thread.run_sync(self.encode, msg.prompt))
+            stops = StopMatcher(msg.stop)
+        except ValueError as exc:  # TokenizerError and friends: a bad prompt or stop list
+            await self.fail(msg.rid, "invalid_request", str(exc))
+            return
+        if len(ids) + msg.max_tokens > self.max_model_len:
+            why = f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) > max_model_len"
+            await self.fail(msg.rid, "context_too_long", f"{why} ({self.max_model_len})")
+            return
+        detok = IncrementalDetokenizer(self.decoder, ids)
+        self.outputs[msg.rid] = _Output(len(ids), msg.stream, msg.sampling.logprobs, detok, stops)
+        tokenized = Tokenized(
+            rid=msg.rid,
+            prompt_token_ids=ids,
+            max_tokens=msg.max_tokens,
+            stop_token_ids=msg.stop_token_ids,
+            sampling=msg.sampling,
+        )
+        await self.scheduler.send(tokenized)
+
+    async def tokens(self, msg: Detokenize) -> None:
+        out = self.outputs[msg.rid]
+        ids, text = list(msg.token_ids), ""
+        if ids and out.first_token_at is None:
+            out.first_token_at = trio.current_time()
+        finishing = msg.finish_reason is not None
+        if out.stops.matched is None:
+            out.token_ids += ids
+            out.logprobs += msg.logprobs or ()
+            # a "stop" that no stop string caused ends on a stop token: in the ids, not in the text
+            stop_token = msg.finish_reason == "stop" and bool(ids)
+            text, hit = out.stops.push(out.detok.push(ids[:-1] if stop_token else ids))
+            if hit and not finishing:
+                await self.scheduler.send(StopHit(rid=msg.rid))
+            if finishing and not hit:
+                tail, hit = out.stops.push(out.detok.flush())
+                text += tail if hit else tail + out.stops.flush()
+            out.texts.append(text)
+        else:
+            ids = []  # generated after the stop string: dropped
+        if out.stream and (ids or text):
+            await self.emit(msg.rid, TokenEvent(id=msg.rid, token_ids=tuple(ids), text=text))
+        if msg.finish_reason is not None:
+            reason: FinishReason = "stop" if out.stops.matched is not None else msg.finish_reason
+            await self.done(msg.rid, reason, msg.num_preemptions)
+
+    async def done(self, rid: str, reason: FinishReason, num_preemptions: int) -> None:
+        out = self.outputs.pop(rid)
+        client = self.clients.end(rid)
+        now = trio.current_time()
+        total_ms = (now - client.arrival) * 1e3
+        ttft_ms = ((out.first_token_at or now) - client.arrival) * 1e3
+        usage = Usage(prompt_tokens=out.prompt_len, completion_tokens=len(out.token_ids))
+        self.log.info(
+            "request",
+            rid=rid,
+            finish_reason=reason,
+            prompt_tokens=out.prompt_len,
+            completion_tokens=usage.completion_tokens,
+            ttft_ms=round(ttft_ms, 3),
+            total_ms=round(total_ms, 3),
+            preemptions=num_preemptions,
+        )
+        event = DoneEvent(
+            id=rid,
+            finish_reason=reason,
+            token_ids=tuple(out.token_ids),
+            text="".join(out.texts),
+            usage=usage,
+            timing=Timing(ttft_ms=ttft_ms, total_ms=total_ms),
+            logprobs=tuple(out.logprobs) if out.want_logprobs else None,
+        )
+        await self.emit(rid, event, client)
+
+    async def fail(self, rid: str, code: ErrorCode, message: str) -> None:
+        self.outputs.pop(rid, None)
+        client = self.clients.end(rid)
+        self.log.info("request", rid=rid, finish_reason="error", code=code, message=message)
+        await self.emit(rid, ErrorEvent(id=rid, code=code, message=message), client)
+
+    async def cancel(self, msg: CancelRequest) -> None:
+        client = self.clients.cancel_arrived(msg.rid)
+        if client is not None and not client.ended and msg.rid in self.outputs:
+            await self.scheduler.send(msg)
+
+    async def emit(self, rid: str, event: Event, client: Client | None = None) -> None:
+        """Send to the request's client; a client that went away gets its request cancelled."""
+        client = client or self.clients.get(rid)
+        assert client is not None, rid
+        try:
+            await client.events.send(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            if not client.ended and not client.cancelled:
+                self.log.info("client_gone", rid=rid)
+                client.cancelled = True
+                await self.scheduler.send(CancelRequest(rid=rid))
+
+
+async def run_tokenizer(
+    inbox: trio.MemoryReceiveChannel[TokenizerMsg],
+    scheduler: trio.MemorySendChannel[SchedulerMsg],
+    clients: Clients,
+    encode: Encode,
+    decoder: SupportsDecode,
+    max_model_len: int,
+) -> None:
+    """The first Drain (from the handle, after every accepted Submit) goes on to the scheduler; the
+    second (the scheduler's, after every request's last message) ends the actor."""
+    state = _Tokenizer(scheduler, clients, encode, decoder, max_model_len)
+    num_drains = 0
+    async with inbox, scheduler:
+        async for msg in inbox:
+            match msg:
+                case Submit():
+                    await state.submit(msg)
+                case Detokenize():
+                    await state.tokens(msg)
+                case FailRequest(rid=rid, code=code, message=message):
+                    await state.fail(rid, code, message)
+                case CancelRequest():
+                    await state.cancel(msg)
+                case Drain():
+                    num_drains += 1
+                    if num_drains == 2:
+                        return
+                    await scheduler.send(msg)
+                case _:
+                    assert_never(msg)

@@ -1,0 +1,33 @@
+"""structlog setup: JSON lines on stderr, configured once by the entry point.
+
+Actors bind `actor=`, per-request lines `rid=`, per-step lines `step=`; nothing here holds state
+beyond structlog's own configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+import structlog
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def configure(level: str = "info", stream: TextIO | None = None) -> None:
+    """Render every structlog line as one JSON object on `stream` (default: sys.stderr)."""
+    if level.lower() not in LEVELS:
+        raise ValueError(f"log level: {level!r} is not one of {LEVELS}")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=stream if stream is not None else sys.stderr),
+        cache_logger_on_first_use=False,
+    )

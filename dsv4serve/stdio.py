@@ -1,0 +1,169 @@
+"""`serve --stdio`: JSON-lines requests on stdin, one event per line on stdout.
+
+Stdout carries protocol lines only: `run` moves the process's fd 1 onto stderr before anything
+else can print, and writes events to a private duplicate of the original stdout. One writer task
+owns that stream, so lines never interleave. Every bad line gets exactly one `error` event; every
+accepted request ends with exactly one `done` or `error` (the system's promise). At EOF or on a
+`shutdown` request the server stops reading, finishes what it accepted, and returns.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TypeAlias, assert_never
+
+import structlog
+import trio
+
+from dsv4serve import protocol
+from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
+from dsv4serve.protocol import ErrorEvent, Event, RequestError
+
+MAX_LINE_BYTES = 64 << 20  # one request line (a long prompt_token_ids list fits comfortably)
+EVENT_BUFFER = 4096  # events waiting for the writer; beyond it the producers wait (stdout pushes back)
+MAX_WRITE_BATCH = 256  # events joined into one write
+
+EventSink: TypeAlias = trio.MemorySendChannel[Event]
+
+log = structlog.get_logger("dsv4serve.stdio").bind(actor="stdio")
+
+
+def run(options: SystemOptions) -> int:
+    """The `serve --stdio` process body: exit status 0 after EOF or `shutdown`."""
+    out_fd = take_stdout()
+    trio.run(_main, options, out_fd)
+    return 0
+
+
+def take_stdout() -> int:
+    """Return a private duplicate of fd 1 and point fd 1 at stderr, so stray prints cannot corrupt it."""
+    sys.stdout.flush()
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    return out_fd
+
+
+async def _main(options: SystemOptions, out_fd: int) -> None:
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    stdout = trio.lowlevel.FdStream(out_fd)
+    async with stdin, stdout:
+        await serve(options, stdin, stdout)
+
+
+async def serve(options: SystemOptions, stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> None:
+    """Serve requests from `stdin` until EOF or `shutdown`, then drain and return."""
+    send, recv = trio.open_memory_channel[Event](EVENT_BUFFER)
+    async with trio.open_nursery() as nursery:
+        handle: EngineHandle = await nursery.start(run_system, options)
+        nursery.start_soon(write_events, recv, stdout)
+        log.info("ready", model=str(options.model_dir))
+        async with send:
+            await read_requests(LineReader(stdin), handle, send)
+            log.info("draining")
+            await handle.drain()
+    log.info("stopped")
+
+
+async def read_requests(lines: LineReader, handle: EngineHandle, events: EventSink) -> None:
+    """Answer request lines until EOF or a `shutdown` request."""
+    while True:
+        try:
+            line = await lines.receive_line()
+            if line is None:
+                log.info("eof")
+                return
+            if not line.strip():
+                continue  # blank lines are not requests
+            request = protocol.decode_request(line)
+        except RequestError as err:
+            log.info("bad request", rid=err.id, message=err.message)
+            await events.send(err.to_event())
+            continue
+        if not await answer(request, handle, events):
+            log.info("shutdown requested")
+            return
+
+
+async def answer(
+    request: protocol.Request, handle: EngineHandle, events: trio.MemorySendChannel[Event]
+) -> bool:
+    """Act on one decoded request; False after `shutdown`."""
+    match request:
+        case protocol.Generate():
+            try:
+                handle.submit(protocol.submit_of(request), events)
+            except RequestError as err:
+                await events.send(ErrorEvent(id=request.id, code=err.code, message=err.message))
+        case protocol.Cancel(id=rid):
+            if not handle.cancel(rid):
+                message = f"id: no live request with id {rid!r}"
+                await events.send(ErrorEvent(id=rid, code="unknown_id", message=message))
+        case protocol.Stats():
+            await events.send(handle.stats())
+        case protocol.Shutdown():
+            return False
+        case _:
+            assert_never(request)
+    return True
+
+
+async def write_events(events: trio.MemoryReceiveChannel[Event], out: trio.abc.SendStream) -> None:
+    """The only writer of `out`: one JSON line per event, whatever is waiting joined into one write."""
+    async with events:
+        async for event in events:
+            batch = [protocol.encode_event(event)]
+            while len(batch) < MAX_WRITE_BATCH:
+                try:
+                    batch.append(protocol.encode_event(events.receive_nowait()))
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            await out.send_all(b"".join(batch))
+
+
+class LineReader:
+    """Splits a byte stream into lines (without the newline); a last line without one counts.
+
+    A line longer than `max_line_bytes` raises RequestError once and is skipped up to its newline.
+    """
+
+    def __init__(self, stream: trio.abc.ReceiveStream, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+        self._stream = stream
+        self._max = max_line_bytes
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf known to hold no newline
+        self._skipping = False
+        self._eof = False
+
+    async def receive_line(self) -> bytes | None:
+        """The next line, or None at the end of the stream."""
+        while True:
+            end = self._buf.find(b"\n", self._scanned)
+            if end >= 0:
+                line = bytes(self._buf[:end])
+                del self._buf[: end + 1]
+                self._scanned, skipped, self._skipping = 0, self._skipping, False
+                if skipped:
+                    continue
+                self._check_length(len(line))
+                return line
+            if self._eof:
+                line, self._buf = bytes(self._buf), bytearray()
+                if self._skipping or not line:
+                    return None
+                self._check_length(len(line))
+                return line
+            self._scanned = len(self._buf)
+            if len(self._buf) > self._max:
+                self._buf.clear()
+                self._scanned = 0
+                if not self._skipping:
+                    self._skipping = True
+                    self._check_length(self._max + 1)
+            chunk = await self._stream.receive_some(1 << 16)
+            self._eof = not chunk
+            self._buf += chunk
+
+    def _check_length(self, length: int) -> None:
+        if length > self._max:
+            raise RequestError("invalid_request", f"request line longer than {self._max} bytes")

@@ -1,0 +1,75 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv4serve.sampling import SamplingBatch, sample, uniform
+
+
+def _params(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 7,
+            position: int = 3) -> SamplingBatch:
+    return SamplingBatch.build([temperature] * n, [top_p] * n, [top_k] * n, [seed] * n, [position] * n, "cpu")
+
+
+def test_greedy_is_argmax_and_logprob_matches_log_softmax() -> None:
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    tokens, logprobs = sample(logits, _params(5, temperature=0.0))
+    assert torch.equal(tokens, logits.argmax(-1))
+    expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.allclose(logprobs, expected)
+
+
+def test_uniform_is_in_open_interval_and_roughly_uniform() -> None:
+    u = uniform(torch.tensor([1, 2]), torch.tensor([0, 5]), 20000)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+
+
+def test_samples_follow_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, -1)
+    params = SamplingBatch.build([1.0] * 4000, [1.0] * 4000, [0] * 4000, list(range(4000)), [0] * 4000, "cpu")
+    tokens, _ = sample(logits, params)
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(500, -1)
+    seeds = list(range(500))
+    k2 = SamplingBatch.build([1.0] * 500, [1.0] * 500, [2] * 500, seeds, [0] * 500, "cpu")
+    assert set(sample(logits, k2)[0].tolist()) == {0, 1}
+    p = torch.softmax(logits[0], -1)
+    top_p = float(p[0] + p[1] / 2)  # the nucleus needs tokens 0 and 1
+    nucleus = SamplingBatch.build([1.0] * 500, [top_p] * 500, [0] * 500, seeds, [0] * 500, "cpu")
+    assert set(sample(logits, nucleus)[0].tolist()) == {0, 1}
+
+
+def test_low_temperature_concentrates_on_the_mode() -> None:
+    logits = torch.tensor([[1.0, 0.9, 0.0]]).expand(300, -1)
+    params = SamplingBatch.build([0.01] * 300, [1.0] * 300, [0] * 300, list(range(300)), [0] * 300, "cpu")
+    assert set(sample(logits, params)[0].tolist()) == {0}
+
+
+def test_seeded_sample_does_not_depend_on_batch_composition() -> None:
+    gen = torch.Generator().manual_seed(1)
+    mine = torch.randn(1, 100, generator=gen)
+    others = torch.randn(6, 100, generator=gen)
+    alone, _ = sample(mine, _params(1, seed=42, position=11))
+    batch = torch.cat([others[:3], mine, others[3:]])
+    seeds = [1, 2, 3, 42, 4, 5, 6]
+    positions = [9, 9, 9, 11, 9, 9, 9]
+    params = SamplingBatch.build([1.0] * 7, [1.0] * 7, [0] * 7, seeds, positions, "cpu")
+    together, _ = sample(batch, params)
+    assert int(together[3]) == int(alone[0])
+
+
+def test_different_positions_draw_different_samples() -> None:
+    logits = torch.zeros(1, 1000)
+    draws = {int(sample(logits, _params(1, position=p))[0][0]) for p in range(50)}
+    assert len(draws) > 40
+    assert math.isfinite(float(sample(logits, _params(1))[1][0]))
