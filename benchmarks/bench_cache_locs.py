@@ -61,8 +61,10 @@ def paged_slots(first: int, last: int, pages: list[int], ids: memoryview) -> byt
 
 def build_one(step: int, req: ReqState, ids: memoryview) -> CacheLocs:
     pre, seq, pages = req.prefix_len, req.seq_len, req.pages
-    c4_keep = max(0, (seq // 4 - 1) * 4)  # the last closed ratio-4 window plus the open one
-    c128_keep = (seq // HCA_RATIO) * HCA_RATIO  # the open ratio-128 window
+    # new state rows only: positions [max(prefix, keep_start), seq); keep_start = the last closed
+    # ratio-4 window plus the open one / the open ratio-128 window
+    c4_keep = max(pre, (seq // 4 - 1) * 4)
+    c128_keep = max(pre, (seq // HCA_RATIO) * HCA_RATIO)
     return CacheLocs(
         step=step,
         rid=req.rid,

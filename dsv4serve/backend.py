@@ -14,7 +14,6 @@ import torch
 
 from dsv4serve.attention import core
 from dsv4serve.attention.hadamard import hadamard_transform
-
 from dsv4serve.moe.experts import routed_experts_reference
 
 

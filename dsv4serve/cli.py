@@ -7,14 +7,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, get_args
 
-from dsv4serve.config import DTYPES, ConfigError, ModelConfig
+from dsv4serve.config import DTYPES, STATE_MODES, ConfigError, EngineConfig, ModelConfig
+from dsv4serve.logs import LEVELS
+from dsv4serve.logs import configure as configure_logs
 from dsv4serve.memory.sizing import WEIGHT_FORMATS, SizingPlan, plan
+from dsv4serve.protocol import FinishReason
+
+if TYPE_CHECKING:  # the engine imports torch: load it only in the commands that run one
+    from dsv4serve.api import AsyncEngine, Completion, SamplingParams
+
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 EXIT_USAGE = 2
 
@@ -208,22 +220,25 @@ def _engine_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--log-level", choices=LEVELS, default="warning", help="stderr log level")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_total_tokens=args.max_total_tokens,
-        page_size=args.page_size,
-        state_mode=args.state_mode,
-        seed=args.seed,
-    )
+ENGINE_FLAGS = (
+    "device",
+    "dtype",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_total_tokens",
+    "page_size",
+    "state_mode",
+    "seed",
+)
 
 
-def _system_options(args: argparse.Namespace, model_dir: Path) -> SystemOptions:
+def _engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as keyword arguments of EngineConfig, Engine and AsyncEngine."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS}
+
+
+def _load_model_config(model_dir: Path) -> None:
     ModelConfig.from_dir(model_dir)  # a bad model directory is a one-line usage error, before any work
-    return system_options(model_dir, _engine_config(args))
 
 
 # ------------------------------------------------------------------------------------------- serve
@@ -236,9 +251,11 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from dsv4serve import stdio  # noqa: PLC0415 (torch is heavy: import only when asked)
+    from dsv4serve import stdio  # torch is heavy: import only when asked
+    from dsv4serve.api import system_options
 
-    options = _system_options(args, args.model)
+    _load_model_config(args.model)
+    options = system_options(args.model, EngineConfig(**_engine_knobs(args)))
     configure_logs(args.log_level, stream=sys.stderr)
     return stdio.run(options)
 
@@ -257,7 +274,9 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from dsv4serve.api import SamplingParams  # noqa: PLC0415
+    import trio
+
+    from dsv4serve.api import AsyncEngine, SamplingParams
 
     try:
         params = SamplingParams(
@@ -269,18 +288,19 @@ def _run_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         return _fail(f"dsv4serve generate: error: {exc}")
-    options = _system_options(args, args.model)
+    _load_model_config(args.model)
     configure_logs(args.log_level, stream=sys.stderr)
-    completion = trio.run(_stream_to_stdout, options, args.prompt, params)
+    engine = AsyncEngine(args.model, **_engine_knobs(args))
+    completion = trio.run(_stream_to_stdout, engine, args.prompt, params)
     print(file=sys.stdout, flush=True)
     print(f"finish_reason: {completion.finish_reason}", file=sys.stderr)
     return 0
 
 
-async def _stream_to_stdout(options: SystemOptions, prompt: str, params: SamplingParams) -> Completion:
-    from dsv4serve.api import AsyncEngine, Completion  # noqa: PLC0415
+async def _stream_to_stdout(engine: AsyncEngine, prompt: str, params: SamplingParams) -> Completion:
+    from dsv4serve.api import Completion
 
-    async with AsyncEngine.from_options(options) as engine:
+    async with engine:
         async for event in engine.stream(prompt, params):
             if isinstance(event, Completion):
                 return event
@@ -309,15 +329,17 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from dsv4serve.api import SamplingParams  # noqa: PLC0415
+    import trio
+
+    from dsv4serve.api import AsyncEngine, SamplingParams
 
     cache = args.cache_dir or Path(os.environ.get("DSV4SERVE_CACHE") or Path.home() / ".cache" / "dsv4serve")
     configure_logs(args.log_level, stream=sys.stderr)
     model_dir, built = tiny_checkpoint(cache, seed=0)
     print(f"tiny DeepSeek-V4 checkpoint: {model_dir} ({'built' if built else 'cached'})", flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    options = _system_options(args, model_dir)
-    completions, seconds = trio.run(_demo, options, params)
+    engine = AsyncEngine(model_dir, **_engine_knobs(args))
+    completions, seconds = trio.run(_demo, engine, params)
     num_tokens = sum(len(c.token_ids) for c in completions)
     reasons = ", ".join(f"{r}={sum(c.finish_reason == r for c in completions)}" for r in FINISH_REASONS)
     print(
@@ -329,7 +351,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def tiny_checkpoint(cache: Path, seed: int) -> tuple[Path, bool]:
     """The tiny checkpoint `cache/tiny-seed{seed}`, built on first use; (path, whether it was built)."""
-    from dsv4serve.models.tiny import make_tiny  # noqa: PLC0415
+    from dsv4serve.models.tiny import make_tiny
 
     target = cache / f"tiny-seed{seed}"
     if (target / "config.json").is_file():
@@ -344,26 +366,23 @@ def tiny_checkpoint(cache: Path, seed: int) -> tuple[Path, bool]:
     return target, True
 
 
-async def _demo(options: SystemOptions, params: SamplingParams) -> tuple[list[Completion], float]:
-    from dsv4serve.api import AsyncEngine  # noqa: PLC0415
+async def _demo(engine: AsyncEngine, params: SamplingParams) -> tuple[list[Completion], float]:
+    import trio
 
     completions: list[Completion] = []
-    async with AsyncEngine.from_options(options) as engine:
+    async with engine:
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
             for i, prompt in enumerate(DEMO_PROMPTS):
                 nursery.start_soon(_demo_stream, engine, i, prompt, params, completions)
         seconds = trio.current_time() - start
-    for i, prompt in enumerate(DEMO_PROMPTS):
-        done = next(c for c in completions if c.prompt_token_ids and getattr(c, "_i", i) == i)
-        del done
     return completions, seconds
 
 
 async def _demo_stream(
     engine: AsyncEngine, index: int, prompt: str, params: SamplingParams, out: list[Completion]
 ) -> None:
-    from dsv4serve.api import Completion  # noqa: PLC0415
+    from dsv4serve.api import Completion
 
     async for event in engine.stream(prompt, params):
         if isinstance(event, Completion):

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from golden_harness import Trace, compare, engine_traces, random_chunker, reference_traces
 
 from dsv4serve.config import EngineConfig
 from dsv4serve.models.tiny import make_tiny
 from dsv4serve.runner import ModelRunner
-from golden_harness import Trace, compare, engine_traces, random_chunker, reference_traces
 
 MAX_NEW = 32
 TOL = 1e-3
 
 # Two shapes: the default tiny model (window 16, ratios 0/4/16, top-k 4) and a second one with a
 # shorter window, a smaller top-k, a different layer order and one hash layer.
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "default": {},
     "narrow": {
         "num_hidden_layers": 4,
@@ -67,7 +68,9 @@ def _check(refs: list[Trace], got: list[Trace]) -> None:
 
 
 @pytest.mark.parametrize(("mode", "page", "chunked"), RUNS, ids=lambda v: str(v))
-def test_golden_batched_engine_matches_transformers(golden: tuple, mode: str, page: int, chunked: bool) -> None:
+def test_golden_batched_engine_matches_transformers(
+    golden: tuple, mode: str, page: int, chunked: bool
+) -> None:
     model_dir, prompts, refs = golden
     engine = EngineConfig(page_size=page, max_num_seqs=8, max_total_tokens=4096, state_mode=mode)
     chunk = random_chunker(page * 7 + len(prompts), 1, 37) if chunked else (lambda rid, remaining: remaining)
@@ -89,8 +92,12 @@ def test_golden_runner_reuses_rows_after_free(golden: tuple, tmp_path: Path) -> 
     engine = EngineConfig(page_size=8, max_num_seqs=4, max_total_tokens=2048, state_mode="paged")
     runner = ModelRunner(model_dir, engine)
     order = [len(prompts) - 1, 0, 2]
-    _check([refs[i] for i in order], engine_traces(model_dir, [prompts[i] for i in order], MAX_NEW, engine,
-                                                    runner=runner))
+    _check(
+        [refs[i] for i in order],
+        engine_traces(model_dir, [prompts[i] for i in order], MAX_NEW, engine, runner=runner),
+    )
     order = [1, 3]
-    _check([refs[i] for i in order], engine_traces(model_dir, [prompts[i] for i in order], MAX_NEW, engine,
-                                                    runner=runner))
+    _check(
+        [refs[i] for i in order],
+        engine_traces(model_dir, [prompts[i] for i in order], MAX_NEW, engine, runner=runner),
+    )

@@ -9,8 +9,9 @@ import torch
 from dsv4serve.sampling import SamplingBatch, sample, uniform
 
 
-def _params(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 7,
-            position: int = 3) -> SamplingBatch:
+def _params(
+    n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 7, position: int = 3
+) -> SamplingBatch:
     return SamplingBatch.build([temperature] * n, [top_p] * n, [top_k] * n, [seed] * n, [position] * n, "cpu")
 
 

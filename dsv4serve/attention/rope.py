@@ -19,15 +19,16 @@ def default_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
 
 
-def yarn_inv_freq(rope_dim: int, theta: float, factor: float, original_max: int, beta_fast: float,
-                  beta_slow: float) -> torch.Tensor:
+def yarn_inv_freq(
+    rope_dim: int, theta: float, factor: float, original_max: int, beta_fast: float, beta_slow: float
+) -> torch.Tensor:
     """YaRN-blended inverse frequencies (correction range truncated to whole dims)."""
 
     def correction_dim(num_rotations: float) -> float:
         return (rope_dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    low = float(max(math.floor(correction_dim(beta_fast)), 0))
+    high = float(min(math.ceil(correction_dim(beta_slow)), rope_dim - 1))
     if low == high:
         high += 0.001
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -51,8 +52,14 @@ class RopeTables:
     def build(cls, cfg: ModelConfig, max_len: int, device: torch.device | str) -> RopeTables:
         main = default_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
         if cfg.rope_factor != 1.0:
-            comp = yarn_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
-                                 cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
+            comp = yarn_inv_freq(
+                cfg.rope_head_dim,
+                cfg.compress_rope_theta,
+                cfg.rope_factor,
+                cfg.original_max_position_embeddings,
+                cfg.beta_fast,
+                cfg.beta_slow,
+            )
         else:
             comp = default_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta)
         pos = torch.arange(max_len, dtype=torch.float32)

@@ -60,8 +60,10 @@ class LayerWeights:
 
 def _compressor(w: Weights, prefix: str) -> CompressorWeights:
     return CompressorWeights(
-        wkv=w[f"{prefix}.wkv.weight"], wgate=w[f"{prefix}.wgate.weight"],
-        ape=w[f"{prefix}.ape"], norm=w[f"{prefix}.norm.weight"],
+        wkv=w[f"{prefix}.wkv.weight"],
+        wgate=w[f"{prefix}.wgate.weight"],
+        ape=w[f"{prefix}.ape"],
+        norm=w[f"{prefix}.norm.weight"],
     )
 
 
@@ -71,34 +73,48 @@ def _layer(w: Weights, cfg: ModelConfig, i: int) -> LayerWeights:
     indexer = None
     if ratio == 4:
         indexer = IndexerWeights(
-            wq_b=w[a + "indexer.wq_b.weight"], weights_proj=w[a + "indexer.weights_proj.weight"],
+            wq_b=w[a + "indexer.wq_b.weight"],
+            weights_proj=w[a + "indexer.weights_proj.weight"],
             compressor=_compressor(w, a + "indexer.compressor"),
         )
     attn = AttentionWeights(
-        wq_a=w[a + "wq_a.weight"], q_norm=w[a + "q_norm.weight"], wq_b=w[a + "wq_b.weight"],
-        wkv=w[a + "wkv.weight"], kv_norm=w[a + "kv_norm.weight"], wo_a=w[a + "wo_a.weight"],
-        wo_b=w[a + "wo_b.weight"], sinks=w[a + "attn_sink"],
-        compressor=_compressor(w, a + "compressor") if ratio else None, indexer=indexer,
+        wq_a=w[a + "wq_a.weight"],
+        q_norm=w[a + "q_norm.weight"],
+        wq_b=w[a + "wq_b.weight"],
+        wkv=w[a + "wkv.weight"],
+        kv_norm=w[a + "kv_norm.weight"],
+        wo_a=w[a + "wo_a.weight"],
+        wo_b=w[a + "wo_b.weight"],
+        sinks=w[a + "attn_sink"],
+        compressor=_compressor(w, a + "compressor") if ratio else None,
+        indexer=indexer,
     )
     f = p + "ffn."
     shared = None
     if cfg.n_shared_experts:
         shared = tuple(w[f"{f}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
     ffn = MoEWeights(
-        gate=w[f + "gate.weight"], bias=w.get(f + "gate.bias"), tid2eid=w.get(f + "gate.tid2eid"),
-        w1=w[f + "experts.w1"], w2=w[f + "experts.w2"], w3=w[f + "experts.w3"],
+        gate=w[f + "gate.weight"],
+        bias=w.get(f + "gate.bias"),
+        tid2eid=w.get(f + "gate.tid2eid"),
+        w1=w[f + "experts.w1"],
+        w2=w[f + "experts.w2"],
+        w3=w[f + "experts.w3"],
         shared=shared,  # type: ignore[arg-type]
     )
 
     def hc(kind: str) -> HyperConnection:
         return HyperConnection(w[f"{p}hc_{kind}_fn"], w[f"{p}hc_{kind}_base"], w[f"{p}hc_{kind}_scale"])
 
-    return LayerWeights(ratio, w[p + "attn_norm.weight"], w[p + "ffn_norm.weight"], hc("attn"), hc("ffn"),
-                        attn, ffn)
+    return LayerWeights(
+        ratio, w[p + "attn_norm.weight"], w[p + "ffn_norm.weight"], hc("attn"), hc("ffn"), attn, ffn
+    )
 
 
 def hc_pre(h: torch.Tensor, hc: HyperConnection, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
-    """mHC weights from the streams h (T, hc, hidden): (post (T, hc), comb (T, hc, hc), collapsed (T, hidden)).
+    """mHC weights from the streams h (T, hc, hidden).
+
+    Returns post (T, hc), comb (T, hc, hc) and the collapsed block input (T, hidden).
 
     comb is made doubly stochastic by Sinkhorn iterations; everything in fp32.
     """
@@ -122,7 +138,9 @@ def hc_pre(h: torch.Tensor, hc: HyperConnection, cfg: ModelConfig) -> tuple[torc
 def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Expand a block output back into the streams and mix in the residual: post*out + comb^T h."""
     dtype = h.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), h
+    )
 
 
 class DeepseekV4:
@@ -130,8 +148,14 @@ class DeepseekV4:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, rope: RopeTables, ops: Backend) -> None:
         self.cfg, self.rope, self.ops = cfg, rope, ops
-        self.embed, self.head, self.norm = weights["embed.weight"], weights["head.weight"], weights["norm.weight"]
-        self.hc_head = HyperConnection(weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
+        self.embed, self.head, self.norm = (
+            weights["embed.weight"],
+            weights["head.weight"],
+            weights["norm.weight"],
+        )
+        self.hc_head = HyperConnection(
+            weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"]
+        )
         self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
 
     def forward(
@@ -146,11 +170,21 @@ class DeepseekV4:
             h = h[batch.sample_index]
         return F.linear(rms_norm(self._collapse(h), self.norm, self.cfg.rms_norm_eps), self.head)
 
-    def _layer(self, h: torch.Tensor, w: LayerWeights, batch: ForwardBatch, cache: AttentionCache) -> torch.Tensor:
+    def _layer(
+        self, h: torch.Tensor, w: LayerWeights, batch: ForwardBatch, cache: AttentionCache
+    ) -> torch.Tensor:
         cfg = self.cfg
         post, comb, x = hc_pre(h, w.hc_attn, cfg)
-        x = attention_forward(rms_norm(x, w.attn_norm, cfg.rms_norm_eps), w.attn, cache, batch, cfg, w.ratio,
-                              self.rope, self.ops)
+        x = attention_forward(
+            rms_norm(x, w.attn_norm, cfg.rms_norm_eps),
+            w.attn,
+            cache,
+            batch,
+            cfg,
+            w.ratio,
+            self.rope,
+            self.ops,
+        )
         h = hc_post(h, x, post, comb)
         post, comb, x = hc_pre(h, w.hc_ffn, cfg)
         return hc_post(h, self._moe(rms_norm(x, w.ffn_norm, cfg.rms_norm_eps), w.ffn, batch), post, comb)
@@ -158,8 +192,14 @@ class DeepseekV4:
     def _moe(self, x: torch.Tensor, w: MoEWeights, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         weights, ids = route(
-            x, w.gate, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
-            scaling=cfg.routed_scaling_factor, bias=w.bias, tid2eid=w.tid2eid, input_ids=batch.input_ids,
+            x,
+            w.gate,
+            top_k=cfg.num_experts_per_tok,
+            scoring=cfg.scoring_func,
+            scaling=cfg.routed_scaling_factor,
+            bias=w.bias,
+            tid2eid=w.tid2eid,
+            input_ids=batch.input_ids,
         )
         out = self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit)
         if w.shared is not None:
@@ -181,11 +221,26 @@ def _layer_cache(pools: KVPools, tables: SlotTables, i: int, ratio: int) -> Atte
 
     compressed = index = None
     if ratio == 4:
-        compressed = CompressorCache(flat(pools.c4_state[i]), tables.c4_state, pools.state_sentinel["c4_state"],
-                                     flat(pools.c4[i]), tables.c4)
-        index = CompressorCache(flat(pools.c4_index_state[i]), tables.c4_state,
-                                pools.state_sentinel["c4_state"], flat(pools.c4_index[i]), tables.c4)
+        compressed = CompressorCache(
+            flat(pools.c4_state[i]),
+            tables.c4_state,
+            pools.state_sentinel["c4_state"],
+            flat(pools.c4[i]),
+            tables.c4,
+        )
+        index = CompressorCache(
+            flat(pools.c4_index_state[i]),
+            tables.c4_state,
+            pools.state_sentinel["c4_state"],
+            flat(pools.c4_index[i]),
+            tables.c4,
+        )
     elif ratio:
-        compressed = CompressorCache(flat(pools.c128_state[i]), tables.c128_state,
-                                     pools.state_sentinel["c128_state"], flat(pools.c128[i]), tables.c128)
+        compressed = CompressorCache(
+            flat(pools.c128_state[i]),
+            tables.c128_state,
+            pools.state_sentinel["c128_state"],
+            flat(pools.c128[i]),
+            tables.c128,
+        )
     return AttentionCache(flat(pools.swa[i]), tables.swa, compressed, index)

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float
+) -> torch.Tensor:
     """down(silu(min(gate, limit)) * clamp(up, -limit, limit)); gate = x W1, up = x W3."""
     gate = F.linear(x, w1).clamp(max=limit)
     up = F.linear(x, w3).clamp(min=-limit, max=limit)

@@ -1,0 +1,36 @@
+"""The kv_writer actor (the pre-write hook): writes each step's six-tuples into the per-request slot
+tables the attention kernels read, then tells the executor that the step's tables are ready.
+
+`write` is the device work (in the system: `write_cache_locs_batch` in a worker thread, under the
+device's limiter, so it is ordered with the executor's steps). It only touches the rows of this step's
+requests, none of which is in any in-flight step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import assert_never
+
+import trio
+
+from dsv4serve.protocol import CacheLocs, Drain, ExecutorMsg, KVWriterMsg, TablesReady, WriteLocs
+
+WriteLocsFn = Callable[[Sequence[CacheLocs]], Awaitable[None]]
+
+
+async def run_kv_writer(
+    inbox: trio.MemoryReceiveChannel[KVWriterMsg],
+    executor: trio.MemorySendChannel[ExecutorMsg],
+    write: WriteLocsFn,
+) -> None:
+    async with inbox, executor:
+        async for msg in inbox:
+            match msg:
+                case WriteLocs(step=step, plan=plan, locs=locs, pool_used=used):
+                    await write(locs)
+                    await executor.send(TablesReady(step=step, plan=plan, pool_used=used))
+                case Drain():
+                    await executor.send(msg)
+                    return
+                case _:
+                    assert_never(msg)

@@ -1,0 +1,166 @@
+"""The scheduler actor: a thin loop around `SchedulerCore` (the policy lives there).
+
+Each message updates the core; then every request that left it is reported (Free to the allocator
+when it holds memory, Detokenize / FailRequest to the tokenizer) and new steps are planned while the
+core allows (at most K in flight: the credit rule that keeps the scheduler <-> executor cycle from
+deadlocking). Drain: once nothing is left, Drain goes to the allocator and the tokenizer, the send
+ends close, and the actor reads its inbox until every producer has closed theirs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import assert_never
+
+import structlog
+import trio
+
+from dsv4serve.protocol import (
+    Allocate,
+    AllocatorMsg,
+    AllocRefused,
+    CancelRequest,
+    Detokenize,
+    Drain,
+    FailRequest,
+    Free,
+    SampledToken,
+    SchedulerMsg,
+    StepDone,
+    StopHit,
+    Tokenized,
+    TokenizerMsg,
+)
+from dsv4serve.scheduler import CancelOutcome, Finished, SchedulerCore
+from dsv4serve.scheduler.policy import UNSERVABLE
+
+RATE_WINDOW_S = 10.0
+
+
+@dataclass(eq=False, slots=True)
+class SchedulerGauges:
+    """Counters the scheduler updates and the engine handle reads (for `stats`)."""
+
+    running: int = 0
+    waiting: int = 0
+    num_steps: int = 0
+    num_finished: int = 0
+    num_generated: int = 0
+    _recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) per step
+
+    def add_tokens(self, now: float, count: int) -> None:
+        self.num_generated += count
+        self._recent.append((now, count))
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def tokens_per_s(self, now: float, uptime_s: float) -> float:
+        window = min(RATE_WINDOW_S, uptime_s)
+        recent = sum(n for t, n in self._recent if t >= now - window)
+        return recent / window if window > 0 else 0.0
+
+
+@dataclass(eq=False)
+class _Scheduler:
+    core: SchedulerCore
+    allocator: trio.MemorySendChannel[AllocatorMsg]
+    tokenizer: trio.MemorySendChannel[TokenizerMsg]
+    gauges: SchedulerGauges
+
+    async def step_done(self, msg: StepDone) -> None:
+        failures = {f.rid: f.message for f in msg.failed}
+        outcome = self.core.on_step_done(msg.step, msg.outputs, failures)
+        now = trio.current_time()
+        self.gauges.add_tokens(now, len(outcome.tokens))
+        await self.report(outcome.tokens, outcome.finished, failures)
+
+    async def refused(self, msg: AllocRefused) -> None:
+        outcome = self.core.on_refused(msg.step, [r.rid for r in msg.refusals])
+        for rid in outcome.preempted:
+            await self.allocator.send(Free(rid=rid, reason="preempted"))
+        await self.report((), outcome.finished, {})
+
+    async def ended_early(self, outcome: CancelOutcome) -> None:
+        if outcome.finished is not None:
+            await self.report((), (outcome.finished,), {})
+
+    async def report(
+        self, tokens: Iterable[SampledToken], finished: Iterable[Finished], failures: dict[str, str]
+    ) -> None:
+        """Free what the finished requests hold; send every request's new ids (and end) as one message."""
+        new = {t.rid: t for t in tokens}
+        for fin in finished:
+            self.gauges.num_finished += 1
+            if fin.holds_memory:
+                reason = "finished" if fin.finish_reason in ("stop", "length") else "aborted"
+                await self.allocator.send(Free(rid=fin.rid, reason=reason))
+            token = new.pop(fin.rid, None)
+            if fin.finish_reason == "error":
+                code = "context_too_long" if fin.message == UNSERVABLE else "internal"
+                message = fin.message or failures.get(fin.rid, "step failed")
+                await self.tokenizer.send(FailRequest(rid=fin.rid, code=code, message=message))
+            else:
+                ids, logprobs = _ids(token)
+                msg = Detokenize(
+                    rid=fin.rid,
+                    token_ids=ids,
+                    finish_reason=fin.finish_reason,
+                    logprobs=logprobs,
+                    num_preemptions=fin.num_preemptions,
+                )
+                await self.tokenizer.send(msg)
+        for token in new.values():
+            ids, logprobs = _ids(token)
+            await self.tokenizer.send(Detokenize(rid=token.rid, token_ids=ids, logprobs=logprobs))
+
+    async def launch(self) -> None:
+        while (plan := self.core.plan()) is not None:
+            self.gauges.num_steps += 1
+            await self.allocator.send(Allocate(step=plan.step, plan=plan))
+        self.gauges.running, self.gauges.waiting = self.core.num_running, self.core.num_waiting
+
+
+def _ids(token: SampledToken | None) -> tuple[tuple[int, ...], tuple[float, ...] | None]:
+    if token is None:
+        return (), None
+    return (token.token_id,), None if token.logprob is None else (token.logprob,)
+
+
+async def run_scheduler(
+    inbox: trio.MemoryReceiveChannel[SchedulerMsg],
+    allocator: trio.MemorySendChannel[AllocatorMsg],
+    tokenizer: trio.MemorySendChannel[TokenizerMsg],
+    core: SchedulerCore,
+    gauges: SchedulerGauges,
+) -> None:
+    log = structlog.get_logger().bind(actor="scheduler")
+    state = _Scheduler(core, allocator, tokenizer, gauges)
+    draining = drained = False
+    async with inbox, allocator, tokenizer:
+        async for msg in inbox:
+            match msg:
+                case Tokenized():
+                    core.add(msg.rid, msg.prompt_token_ids, msg.max_tokens, msg.stop_token_ids, msg.sampling)
+                case CancelRequest(rid=rid):
+                    await state.ended_early(core.cancel(rid))
+                case StopHit(rid=rid):
+                    await state.ended_early(core.stop(rid))
+                case StepDone():
+                    await state.step_done(msg)
+                case AllocRefused():
+                    await state.refused(msg)
+                case Drain():
+                    draining = True
+                    log.info("draining", running=core.num_running, waiting=core.num_waiting)
+                case _:
+                    assert_never(msg)
+            await state.launch()
+            if draining and not drained and not core.has_work():
+                assert core.num_inflight_steps == 0
+                drained = True
+                log.info("drained", num_steps=gauges.num_steps, num_finished=gauges.num_finished)
+                for out in (allocator, tokenizer):
+                    await out.send(Drain())
+                    await out.aclose()
