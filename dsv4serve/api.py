@@ -14,7 +14,7 @@ from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeGuard, TypeVar
 
 import trio
 from transformers import PreTrainedTokenizerFast
@@ -86,36 +86,35 @@ def _check(name: str, ok: bool, expected: str, value: object) -> None:
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+def _is_number(value: object) -> TypeGuard[float]:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
-def _is_list(value: object) -> bool:
+def _is_list(value: object) -> TypeGuard[Sequence[object]]:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
-def _is_token_ids(value: object, empty_ok: bool) -> bool:
-    if not _is_list(value):
-        return False
-    ids: Sequence[object] = value  # type: ignore[assignment]
-    return (empty_ok or len(ids) > 0) and all(_is_int(t) and t >= 0 for t in ids)  # type: ignore[operator]
+def _is_token_ids(value: object, empty_ok: bool) -> TypeGuard[Sequence[int]]:
+    return _is_list(value) and (empty_ok or len(value) > 0) and all(_is_int(t) and t >= 0 for t in value)
 
 
 def _prompt_list(prompts: Prompts) -> list[Prompt]:
     """A list of prompts (a bare string is one prompt); each a string or a non-empty list of ids."""
     items = [prompts] if isinstance(prompts, str) else prompts
     _check("prompts", _is_list(items) and len(items) > 0, "a non-empty list of prompts", prompts)
-    for i, prompt in enumerate(items):
-        _check(f"prompts[{i}]", _is_prompt(prompt), "a string or a non-empty list of token ids", prompt)
-    return [p if isinstance(p, str) else list(p) for p in items]  # type: ignore[union-attr]
+    return [_prompt(f"prompts[{i}]", prompt) for i, prompt in enumerate(items)]
 
 
-def _is_prompt(prompt: object) -> bool:
-    return isinstance(prompt, str) or _is_token_ids(prompt, empty_ok=False)
+def _prompt(name: str, prompt: object) -> Prompt:
+    if isinstance(prompt, str):
+        return prompt
+    if _is_token_ids(prompt, empty_ok=False):
+        return list(prompt)
+    raise ValueError(f"{name}: expected a string or a non-empty list of token ids, got {prompt!r}")
 
 
 def _params_list(params: Params, n: int) -> list[SamplingParams]:
@@ -206,7 +205,12 @@ class AsyncEngine:
         if self._stack is not None:
             raise RuntimeError("AsyncEngine: already running")
         async with AsyncExitStack() as stack:
-            self._handle = await stack.enter_async_context(_running(self.options))
+            try:
+                self._handle = await stack.enter_async_context(_running(self.options))
+            except BaseExceptionGroup as group:  # a start-up failure: raise the error itself
+                if len(group.exceptions) != 1:
+                    raise
+                raise group.exceptions[0] from None
             self._tokenizer_limiter = trio.CapacityLimiter(1)
             self._stack = stack.pop_all()
         return self
@@ -236,7 +240,7 @@ class AsyncEngine:
 
     async def generate(self, prompts: Prompts, params: Params = None) -> list[Completion]:
         """Completions of `prompts` in input order; raises RequestError if any request fails."""
-        items = _prompt_list(prompts)
+        handle, items = self.handle, _prompt_list(prompts)
         opened = self._open_all(items, _params_list(params, len(items)))
         results: list[Completion | RequestError | None] = [None] * len(items)
         try:
@@ -244,9 +248,10 @@ class AsyncEngine:
                 for i, (_, events) in enumerate(opened):
                     nursery.start_soon(self._collect, items[i], events, results, i, nursery.cancel_scope)
         finally:
-            for (rid, _), result in zip(opened, results, strict=True):
-                if result is None:
-                    self.handle.cancel(rid)
+            for (rid, events), result in zip(opened, results, strict=True):
+                events.close()
+                if result is None:  # failed or cancelled meanwhile
+                    handle.cancel(rid)
         for result in results:
             if isinstance(result, RequestError):
                 raise result
@@ -256,8 +261,7 @@ class AsyncEngine:
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> AsyncIterator[TokenEvent | Completion]:
         """Yield a `TokenEvent` per text delta, then the `Completion`; raises RequestError on failure."""
-        _check("prompt", _is_prompt(prompt), "a string or a non-empty list of token ids", prompt)
-        item = prompt if isinstance(prompt, str) else list(prompt)
+        item = _prompt("prompt", prompt)
         rid, events = self._open(item, params or SamplingParams(), stream=True)
         finished = False
         try:
@@ -269,6 +273,7 @@ class AsyncEngine:
                 yield await self._completion(item, event)
                 return
         finally:
+            events.close()
             if not finished and self._handle is not None:  # None: finalized after the engine stopped
                 self._handle.cancel(rid)
 

@@ -25,6 +25,8 @@ class SamplingBatch:
     top_k: torch.Tensor  # (S,) int64
     seed: torch.Tensor  # (S,) int64
     position: torch.Tensor  # (S,) int64 position of the token being sampled
+    all_greedy: bool = False  # host-known: skip the random draw
+    needs_filter: bool = True  # host-known: some row uses top-k or top-p
 
     @classmethod
     def build(
@@ -42,7 +44,9 @@ class SamplingBatch:
         def i(v: Sequence[int]) -> torch.Tensor:
             return torch.tensor([x & _MASK32 for x in v], dtype=torch.int64).to(device)
 
-        return cls(f(temperature), f(top_p), i(top_k), i(seed), i(position))
+        all_greedy = all(t == 0 for t in temperature)
+        needs_filter = any(k > 0 for k in top_k) or any(p < 1 for p in top_p)
+        return cls(f(temperature), f(top_p), i(top_k), i(seed), i(position), all_greedy, needs_filter)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +81,12 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1)
-    temperature = params.temperature.clamp(min=1e-6)[:, None]
-    probs = torch.softmax(_filter(logits / temperature, params.top_k, params.top_p), dim=-1)
+    if params.all_greedy:
+        return greedy, logprobs.gather(1, greedy[:, None]).squeeze(1)
+    scaled = logits / params.temperature.clamp(min=1e-6)[:, None]
+    if params.needs_filter:
+        scaled = _filter(scaled, params.top_k, params.top_p)
+    probs = torch.softmax(scaled, dim=-1)
     race = probs / -torch.log(uniform(params.seed, params.position, logits.shape[-1]))
     tokens = torch.where(params.temperature > 0, race.argmax(dim=-1), greedy)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

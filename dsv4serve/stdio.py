@@ -25,8 +25,7 @@ EVENT_BUFFER = 4096  # events waiting for the writer; beyond it the producers wa
 MAX_WRITE_BATCH = 256  # events joined into one write
 
 EventSink: TypeAlias = trio.MemorySendChannel[Event]
-
-log = structlog.get_logger("dsv4serve.stdio").bind(actor="stdio")
+Log: TypeAlias = structlog.typing.FilteringBoundLogger
 
 
 def run(options: SystemOptions) -> int:
@@ -53,19 +52,20 @@ async def _main(options: SystemOptions, out_fd: int) -> None:
 
 async def serve(options: SystemOptions, stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> None:
     """Serve requests from `stdin` until EOF or `shutdown`, then drain and return."""
+    log: Log = structlog.get_logger().bind(actor="stdio")  # bound after logs.configure, not at import
     send, recv = trio.open_memory_channel[Event](EVENT_BUFFER)
     async with trio.open_nursery() as nursery:
         handle: EngineHandle = await nursery.start(run_system, options)
         nursery.start_soon(write_events, recv, stdout)
         log.info("ready", model=str(options.model_dir))
         async with send:
-            await read_requests(LineReader(stdin), handle, send)
+            await read_requests(LineReader(stdin), handle, send, log)
             log.info("draining")
             await handle.drain()
     log.info("stopped")
 
 
-async def read_requests(lines: LineReader, handle: EngineHandle, events: EventSink) -> None:
+async def read_requests(lines: LineReader, handle: EngineHandle, events: EventSink, log: Log) -> None:
     """Answer request lines until EOF or a `shutdown` request."""
     while True:
         try:

@@ -40,10 +40,17 @@ def reference_traces(model_dir: Path, prompts: Sequence[Sequence[int]], max_new:
                 token = int(trace.logits[-1].argmax())
                 trace.tokens.append(token)
                 if step + 1 < max_new:
-                    out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+                    out = model(input_ids=torch.tensor([[token]]), use_cache=True, **_cache_kwarg(out))
                     trace.logits.append(out.logits[0, -1])
             traces.append(trace)
     return traces
+
+
+def _cache_kwarg(out: object) -> dict[str, object]:
+    """transformers >= 5.23 calls the cache `cache`; older releases `past_key_values`."""
+    if hasattr(out, "cache"):
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -100,7 +107,7 @@ def engine_traces(
         for item in items:
             r = next(r for r in reqs if r.rid == item.rid)
             n = len(item.token_ids)
-            r.trace.logits.extend(result.logits[offset : offset + n])
+            r.trace.logits.extend(result.logits[offset : offset + n].float().cpu())
             offset += n
             r.computed += n
             if item.sample:

@@ -8,6 +8,7 @@ position (prefill and every decode step).
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from dsv4serve.models.tiny import make_tiny
 from dsv4serve.runner import ModelRunner
 
 MAX_NEW = 32
+DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # the engine's device; the reference runs on the CPU
 TOL = 1e-3
 
 # Two shapes: the default tiny model (window 16, ratios 0/4/16, top-k 4) and a second one with a
@@ -72,7 +74,9 @@ def test_golden_batched_engine_matches_transformers(
     golden: tuple, mode: str, page: int, chunked: bool
 ) -> None:
     model_dir, prompts, refs = golden
-    engine = EngineConfig(page_size=page, max_num_seqs=8, max_total_tokens=4096, state_mode=mode)
+    engine = EngineConfig(
+        device=DEVICE, dtype="float32", page_size=page, max_num_seqs=8, max_total_tokens=4096, state_mode=mode
+    )
     chunk = random_chunker(page * 7 + len(prompts), 1, 37) if chunked else (lambda rid, remaining: remaining)
     _check(refs, engine_traces(model_dir, prompts, MAX_NEW, engine, chunk=chunk))
 
@@ -80,7 +84,9 @@ def test_golden_batched_engine_matches_transformers(
 def test_golden_single_token_chunks(golden: tuple) -> None:
     """Prefill one token per step: every window closes in a decode-shaped step."""
     model_dir, prompts, refs = golden
-    engine = EngineConfig(page_size=4, max_num_seqs=8, max_total_tokens=4096, state_mode="paged")
+    engine = EngineConfig(
+        device=DEVICE, dtype="float32", page_size=4, max_num_seqs=8, max_total_tokens=4096, state_mode="paged"
+    )
     short = [i for i, p in enumerate(prompts) if len(p) <= 40]
     got = engine_traces(model_dir, [prompts[i] for i in short], MAX_NEW, engine, chunk=lambda rid, rem: 1)
     _check([refs[i] for i in short], got)
@@ -89,7 +95,9 @@ def test_golden_single_token_chunks(golden: tuple) -> None:
 def test_golden_runner_reuses_rows_after_free(golden: tuple, tmp_path: Path) -> None:
     """A second batch on the same runner (rows, slots and stale table entries reused) still matches."""
     model_dir, prompts, refs = golden
-    engine = EngineConfig(page_size=8, max_num_seqs=4, max_total_tokens=2048, state_mode="paged")
+    engine = EngineConfig(
+        device=DEVICE, dtype="float32", page_size=8, max_num_seqs=4, max_total_tokens=2048, state_mode="paged"
+    )
     runner = ModelRunner(model_dir, engine)
     order = [len(prompts) - 1, 0, 2]
     _check(

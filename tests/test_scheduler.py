@@ -49,6 +49,12 @@ def core(**kw: int) -> SchedulerCore:
     return SchedulerCore(**args, eos_token_ids=(EOS,))
 
 
+def next_plan(s: SchedulerCore) -> StepPlan:
+    plan = s.plan()
+    assert plan is not None
+    return plan
+
+
 def shape(plan: StepPlan | None) -> list[tuple[str, int, int, bool]]:
     assert plan is not None
     return [(i.rid, i.prefix_len, len(i.token_ids), i.sample) for i in plan.items]
@@ -60,8 +66,8 @@ def shape(plan: StepPlan | None) -> list[tuple[str, int, int, bool]]:
 def test_chunked_prefill_then_decode_then_length() -> None:
     s = core(max_num_batched_tokens=4)
     s.add("a", list(range(1, 11)), max_tokens=2)
-    p = s.plan()
-    assert shape(p) == [("a", 0, 4, False)] and p is not None and p.items[0].token_ids == (1, 2, 3, 4)
+    p = next_plan(s)
+    assert shape(p) == [("a", 0, 4, False)] and p.items[0].token_ids == (1, 2, 3, 4)
     assert s.plan() is None  # "a" is in flight, nothing else to do
     assert s.on_step_done(0, []).finished == ()
     assert shape(s.plan()) == [("a", 4, 4, False)]
@@ -69,8 +75,8 @@ def test_chunked_prefill_then_decode_then_length() -> None:
     assert shape(s.plan()) == [("a", 8, 2, True)]
     out = s.on_step_done(2, [SampledToken(rid="a", token_id=7)])
     assert [t.token_id for t in out.tokens] == [7] and not out.finished
-    p = s.plan()
-    assert shape(p) == [("a", 10, 1, True)] and p is not None and p.items[0].token_ids == (7,)
+    p = next_plan(s)
+    assert shape(p) == [("a", 10, 1, True)] and p.items[0].token_ids == (7,)
     out = s.on_step_done(3, [SampledToken(rid="a", token_id=8)])
     assert out.finished == (Finished("a", "length", (7, 8), 0, holds_memory=True),)
     assert not s.has_work() and s.num_running == 0
@@ -79,9 +85,9 @@ def test_chunked_prefill_then_decode_then_length() -> None:
 def test_decodes_first_then_prefill_chunks_then_admissions() -> None:
     s = core(max_num_batched_tokens=6, max_inflight_steps=1)
     s.add("a", [1, 2], max_tokens=5)
-    s.on_step_done(s.plan().step, [SampledToken(rid="a", token_id=3)])  # type: ignore[union-attr]
+    s.on_step_done(next_plan(s).step, [SampledToken(rid="a", token_id=3)])
     s.add("b", [1] * 9, max_tokens=5)
-    s.on_step_done(s.plan().step, [SampledToken(rid="a", token_id=3)])  # type: ignore[union-attr]
+    s.on_step_done(next_plan(s).step, [SampledToken(rid="a", token_id=3)])
     s.add("c", [4, 4], max_tokens=5)
     # a decodes (1 token), b's prefill continues (its last 4), c gets the 1 token left
     assert shape(s.plan()) == [("a", 3, 1, True), ("b", 5, 4, True), ("c", 0, 1, False)]
@@ -99,11 +105,11 @@ def test_inflight_limit_and_no_request_in_two_steps() -> None:
     s = core(max_num_batched_tokens=2, max_inflight_steps=2)
     for rid in "abcd":
         s.add(rid, [1], max_tokens=3)
-    p0, p1 = s.plan(), s.plan()
+    p0, p1 = next_plan(s), next_plan(s)
     assert shape(p0) == [("a", 0, 1, True), ("b", 0, 1, True)]
     assert shape(p1) == [("c", 0, 1, True), ("d", 0, 1, True)]
     assert s.plan() is None and s.num_inflight_steps == 2
-    s.on_step_done(1, outputs_for(p1))  # type: ignore[arg-type]
+    s.on_step_done(1, outputs_for(p1))
     assert shape(s.plan()) == [("c", 1, 1, True), ("d", 1, 1, True)]
 
 
@@ -114,8 +120,8 @@ def test_eos_and_stop_tokens_are_kept_in_ids() -> None:
     s = core()
     s.add("a", [1], max_tokens=9)
     s.add("b", [1], max_tokens=9, stop_token_ids=[33])
-    p = s.plan()
-    out = s.on_step_done(p.step, outputs_for(p, {"a": EOS, "b": 33}))  # type: ignore[union-attr]
+    p = next_plan(s)
+    out = s.on_step_done(p.step, outputs_for(p, {"a": EOS, "b": 33}))
     assert [(f.rid, f.finish_reason, f.output_token_ids, f.stop_token_id) for f in out.finished] == [
         ("a", "stop", (EOS,), EOS),
         ("b", "stop", (33,), 33),
@@ -126,8 +132,8 @@ def test_eos_and_stop_tokens_are_kept_in_ids() -> None:
 def test_max_model_len_ends_with_length() -> None:
     s = core(max_model_len=4)
     s.add("a", [1, 2, 3], max_tokens=9)
-    p = s.plan()
-    (f,) = s.on_step_done(p.step, outputs_for(p)).finished  # type: ignore[union-attr]
+    p = next_plan(s)
+    (f,) = s.on_step_done(p.step, outputs_for(p)).finished
     assert (f.finish_reason, f.output_token_ids) == ("length", (5,))
 
 
@@ -135,8 +141,8 @@ def test_failed_items_end_with_error_and_free() -> None:
     s = core()
     s.add("a", [1], max_tokens=9)
     s.add("b", [1], max_tokens=9)
-    p = s.plan()
-    out = s.on_step_done(p.step, outputs_for(p)[1:], failed=["a"])  # type: ignore[union-attr]
+    p = next_plan(s)
+    out = s.on_step_done(p.step, outputs_for(p)[1:], failed=["a"])
     assert [(f.rid, f.finish_reason, f.holds_memory) for f in out.finished] == [("a", "error", True)]
     assert [t.rid for t in out.tokens] == ["b"]
 
@@ -148,13 +154,13 @@ def test_cancel_waiting_idle_inflight_unknown() -> None:
     s = core(max_num_seqs=1)
     s.add("a", [1], max_tokens=9)
     s.add("b", [1], max_tokens=9)
-    p = s.plan()
+    p = next_plan(s)
     assert s.cancel("a").status is CancelStatus.DEFERRED
     assert s.stop("a").status is CancelStatus.DEFERRED  # the first reason wins
     w = s.cancel("b")
     assert w.status is CancelStatus.FINISHED and w.finished is not None
     assert (w.finished.finish_reason, w.finished.holds_memory) == ("cancelled", False)
-    out = s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+    out = s.on_step_done(p.step, outputs_for(p))
     assert out.tokens == ()  # the deferred request's token is dropped
     assert [(f.rid, f.finish_reason, f.output_token_ids, f.holds_memory) for f in out.finished] == [
         ("a", "cancelled", (), True)
@@ -165,8 +171,8 @@ def test_cancel_waiting_idle_inflight_unknown() -> None:
 def test_stop_of_idle_running_request_frees_now() -> None:
     s = core()
     s.add("a", [1], max_tokens=9)
-    p = s.plan()
-    s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+    p = next_plan(s)
+    s.on_step_done(p.step, outputs_for(p))
     got = s.stop("a")
     assert got.finished == Finished("a", "stop", (5,), 0, holds_memory=True)
     assert not s.has_work()
@@ -178,16 +184,16 @@ def test_stop_of_idle_running_request_frees_now() -> None:
 def run_to_decode(s: SchedulerCore, rids: str) -> None:
     for rid in rids:
         s.add(rid, [1, 2], max_tokens=50)
-    p = s.plan()
-    s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+    p = next_plan(s)
+    s.on_step_done(p.step, outputs_for(p))
 
 
 def test_refused_admission_waits_in_place_and_alone_is_unservable() -> None:
     s = core(max_num_batched_tokens=100)
     s.add("a", [1] * 5, max_tokens=3)
     s.add("b", [2] * 5, max_tokens=3)
-    p = s.plan()
-    out = s.on_refused(p.step, ["a", "b"])  # type: ignore[union-attr]
+    p = next_plan(s)
+    out = s.on_refused(p.step, ["a", "b"])
     # "a" was refused with nobody holding memory: it can never fit; "b" came after "a": it waits
     assert [(f.rid, f.finish_reason, f.holds_memory) for f in out.finished] == [("a", "error", False)]
     assert out.preempted == () and s.num_waiting == 1 and s.num_inflight_steps == 0
@@ -200,19 +206,19 @@ def test_refused_admissions_keep_their_queue_position() -> None:
     run_to_decode(s, "a")
     s.add("b", [1], max_tokens=3)
     s.add("c", [1], max_tokens=3)
-    p = s.plan()
-    out = s.on_refused(p.step, ["c", "b"])  # type: ignore[union-attr]
+    p = next_plan(s)
+    out = s.on_refused(p.step, ["c", "b"])
     assert out.preempted == () and out.finished == () and s.num_waiting == 2
     s.add("d", [1], max_tokens=3)
-    s.on_step_done(p.step, outputs_for(p)[:1])  # type: ignore[union-attr]
-    assert [i.rid for i in s.plan().items] == ["a", "b", "c", "d"]  # type: ignore[union-attr]
+    s.on_step_done(p.step, outputs_for(p)[:1])
+    assert [i.rid for i in next_plan(s).items] == ["a", "b", "c", "d"]
 
 
 def test_refused_decode_preempts_latest_idle_running() -> None:
     s = core(max_num_batched_tokens=100)
     run_to_decode(s, "abcd")
-    p = s.plan()
-    out = s.on_refused(p.step, ["b"])  # type: ignore[union-attr]
+    p = next_plan(s)
+    out = s.on_refused(p.step, ["b"])
     # only refused items are idle; the latest idle running request is "b" itself
     assert out.preempted == ("b",)
     b = s.get("b")
@@ -223,20 +229,20 @@ def test_refused_decode_preempts_latest_idle_running() -> None:
 def test_refused_decodes_preempt_latest_never_oldest() -> None:
     s = core(max_num_batched_tokens=100)
     run_to_decode(s, "abcd")
-    p = s.plan()
-    out = s.on_refused(p.step, ["a", "b", "c", "d"])  # type: ignore[union-attr]
+    p = next_plan(s)
+    out = s.on_refused(p.step, ["a", "b", "c", "d"])
     assert out.preempted == ("d", "c") and s.num_inflight_steps == 0
-    p = s.plan()  # no admission while "a" and "b" are short of memory
+    p = next_plan(s)  # no admission while "a" and "b" are short of memory
     assert shape(p) == [("a", 2, 1, True), ("b", 2, 1, True)]
-    s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
+    s.on_step_done(p.step, outputs_for(p))
     assert shape(s.plan()) == [("a", 3, 1, True), ("b", 3, 1, True), ("c", 0, 3, True), ("d", 0, 3, True)]
 
 
 def test_oldest_refused_alone_is_unservable() -> None:
     s = core()
     run_to_decode(s, "a")
-    p = s.plan()
-    out = s.on_refused(p.step, ["a"])  # type: ignore[union-attr]
+    p = next_plan(s)
+    out = s.on_refused(p.step, ["a"])
     assert [(f.rid, f.finish_reason, f.holds_memory, f.message != "") for f in out.finished] == [
         ("a", "error", True, True)
     ]
@@ -246,23 +252,24 @@ def two_decodes_in_two_steps() -> tuple[SchedulerCore, StepPlan, StepPlan]:
     s = core(max_num_batched_tokens=1)
     s.add("a", [1], max_tokens=9)
     s.add("b", [1], max_tokens=9)
-    for p in (s.plan(), s.plan()):
-        s.on_step_done(p.step, outputs_for(p))  # type: ignore[union-attr]
-    p2, p3 = s.plan(), s.plan()
+    for p in (next_plan(s), next_plan(s)):
+        s.on_step_done(p.step, outputs_for(p))
+    p2, p3 = next_plan(s), next_plan(s)
     assert shape(p2) == [("a", 1, 1, True)] and shape(p3) == [("b", 1, 1, True)]
-    return s, p2, p3  # type: ignore[return-value]
+    return s, p2, p3
 
 
 def test_no_preemption_while_an_older_step_is_in_flight() -> None:
     s, _, p3 = two_decodes_in_two_steps()
     assert s.on_refused(p3.step, ["b"]) == RefuseOutcome()  # step 2 will end and free memory
-    assert s.get("b").state is RequestState.RUNNING  # type: ignore[union-attr]
+    b = s.get("b")
+    assert b is not None and b.state is RequestState.RUNNING
 
 
 def test_newer_refused_steps_do_not_block_preemption() -> None:
     s, p2, p3 = two_decodes_in_two_steps()
     assert s.on_refused(p2.step, ["a"]) == RefuseOutcome()  # "a" is the oldest; "b" is in flight
-    p4 = s.plan()
+    p4 = next_plan(s)
     assert shape(p4) == [("a", 1, 1, True)]
     # step 3 is refused while only the newer step 4 is in flight: waiting for it could livelock
     assert s.on_refused(p3.step, ["b"]).preempted == ("b",)
@@ -271,9 +278,9 @@ def test_newer_refused_steps_do_not_block_preemption() -> None:
 def test_deferred_cancel_of_refused_item_finishes_there() -> None:
     s = core()
     run_to_decode(s, "ab")
-    p = s.plan()
+    p = next_plan(s)
     assert s.cancel("b").status is CancelStatus.DEFERRED
-    out = s.on_refused(p.step, ["b"])  # type: ignore[union-attr]
+    out = s.on_refused(p.step, ["b"])
     assert out.preempted == () and [(f.rid, f.finish_reason, f.holds_memory) for f in out.finished] == [
         ("b", "cancelled", True)
     ]
@@ -284,22 +291,23 @@ def test_preempted_request_recomputes_everything_and_samples_at_end() -> None:
     s.add("a", [1, 2], max_tokens=9)
     s.add("b", [3, 4], max_tokens=9)
     for tok in (10, 11):
-        p = s.plan()
-        s.on_step_done(p.step, outputs_for(p, {"a": tok, "b": tok}))  # type: ignore[union-attr]
-    p = s.plan()
-    assert s.on_refused(p.step, ["a", "b"]).preempted == ("b",)  # type: ignore[union-attr]
-    p = s.plan()  # "a" is short of memory: "b" waits until "a" ran again
+        p = next_plan(s)
+        s.on_step_done(p.step, outputs_for(p, {"a": tok, "b": tok}))
+    p = next_plan(s)
+    assert s.on_refused(p.step, ["a", "b"]).preempted == ("b",)
+    p = next_plan(s)  # "a" is short of memory: "b" waits until "a" ran again
     assert shape(p) == [("a", 3, 1, True)]
-    s.on_step_done(p.step, outputs_for(p, {"a": 12}))  # type: ignore[union-attr]
-    p = s.plan()  # "b" recomputes prompt + output ([3, 4, 10, 11]) in chunks, sampling at the end
-    assert shape(p) == [("a", 4, 1, True), ("b", 0, 3, False)] and p is not None
+    s.on_step_done(p.step, outputs_for(p, {"a": 12}))
+    p = next_plan(s)  # "b" recomputes prompt + output ([3, 4, 10, 11]) in chunks, sampling at the end
+    assert shape(p) == [("a", 4, 1, True), ("b", 0, 3, False)]
     assert p.items[1].token_ids == (3, 4, 10)
     s.on_step_done(p.step, outputs_for(p, {"a": 13}))
-    p = s.plan()
-    assert shape(p) == [("a", 5, 1, True), ("b", 3, 1, True)] and p is not None
+    p = next_plan(s)
+    assert shape(p) == [("a", 5, 1, True), ("b", 3, 1, True)]
     assert p.items[1].token_ids == (11,)
     out = s.on_step_done(p.step, outputs_for(p, {"a": 14, "b": 12}))
-    assert s.get("b").output_token_ids == (10, 11, 12)  # type: ignore[union-attr]
+    b = s.get("b")
+    assert b is not None and b.output_token_ids == (10, 11, 12)
     assert [t.token_id for t in out.tokens] == [14, 12]  # nothing is streamed twice
 
 
@@ -307,19 +315,19 @@ def test_oldest_request_holding_memory_is_never_preempted() -> None:
     s = core(max_num_batched_tokens=100)
     s.add("x", [1], max_tokens=2)
     s.add("a", [1], max_tokens=9)
-    p0 = s.plan()
-    s.on_step_done(p0.step, outputs_for(p0))  # type: ignore[union-attr]
-    p1 = s.plan()
+    p0 = next_plan(s)
+    s.on_step_done(p0.step, outputs_for(p0))
+    p1 = next_plan(s)
     s.add("c", [1], max_tokens=9)
-    p2 = s.plan()
+    p2 = next_plan(s)
     assert shape(p1) == [("x", 1, 1, True), ("a", 1, 1, True)] and shape(p2) == [("c", 0, 1, True)]
-    assert s.on_refused(p1.step, ["a"]).preempted == ("a",)  # type: ignore[union-attr]
-    assert s.on_step_done(p1.step, outputs_for(p1)[:1]).finished[0].rid == "x"  # type: ignore[union-attr]
-    s.on_step_done(p2.step, outputs_for(p2))  # type: ignore[union-attr]
-    p3 = s.plan()
+    assert s.on_refused(p1.step, ["a"]).preempted == ("a",)
+    assert s.on_step_done(p1.step, outputs_for(p1)[:1]).finished[0].rid == "x"
+    s.on_step_done(p2.step, outputs_for(p2))
+    p3 = next_plan(s)
     assert shape(p3) == [("c", 1, 1, True), ("a", 0, 2, True)]
     # "a" arrived first but is only being admitted: "c" is the oldest holding memory, so it stays
-    assert s.on_refused(p3.step, ["c"]) == RefuseOutcome()  # type: ignore[union-attr]
+    assert s.on_refused(p3.step, ["c"]) == RefuseOutcome()
 
 
 # ---------------------------------------------------------------- simulation

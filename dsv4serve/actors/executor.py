@@ -28,7 +28,9 @@ from dsv4serve.protocol import (
 ExecuteFn = Callable[[StepPlan], Awaitable[Sequence[SampledToken]]]
 
 
-async def run_step(execute: ExecuteFn, plan: StepPlan, log: structlog.typing.FilteringBoundLogger) -> StepDone:
+async def run_step(
+    execute: ExecuteFn, plan: StepPlan, log: structlog.typing.FilteringBoundLogger
+) -> StepDone:
     ran = tuple(item.rid for item in plan.items)
     try:
         outputs = tuple(await execute(plan))

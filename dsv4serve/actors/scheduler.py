@@ -24,8 +24,10 @@ from dsv4serve.protocol import (
     CancelRequest,
     Detokenize,
     Drain,
+    ErrorCode,
     FailRequest,
     Free,
+    FreeReason,
     SampledToken,
     SchedulerMsg,
     StepDone,
@@ -94,11 +96,11 @@ class _Scheduler:
         for fin in finished:
             self.gauges.num_finished += 1
             if fin.holds_memory:
-                reason = "finished" if fin.finish_reason in ("stop", "length") else "aborted"
+                reason: FreeReason = "finished" if fin.finish_reason in ("stop", "length") else "aborted"
                 await self.allocator.send(Free(rid=fin.rid, reason=reason))
             token = new.pop(fin.rid, None)
             if fin.finish_reason == "error":
-                code = "context_too_long" if fin.message == UNSERVABLE else "internal"
+                code: ErrorCode = "context_too_long" if fin.message == UNSERVABLE else "internal"
                 message = fin.message or failures.get(fin.rid, "step failed")
                 await self.tokenizer.send(FailRequest(rid=fin.rid, code=code, message=message))
             else:

@@ -205,7 +205,7 @@ class KVAllocator:
         size, out = self.page_size, []
         for p, lo, hi, _, keep in windows:
             evict, take = req.runs[p].plan(lo, hi, keep, size)
-            if take > self._pools[p].num_free + evict + 1:
+            if take > self._pools[p].num_free + evict:
                 return POOL_NAMES[p]
             out.append((evict, take))
         return out

@@ -119,19 +119,17 @@ class PageRun:
         self.first = 0
         self.pages: list[int] = []
 
-    @property
-    def end(self) -> int:
-        return self.first + len(self.pages)
-
     def plan(self, lo: int, hi: int, keep: int, page_size: int) -> tuple[int, int]:
-        """(pages to evict, pages to take) to cover indices [lo, hi) after evicting pages wholly < keep."""
+        """(pages to evict, pages to take) to cover indices [lo, hi) after evicting pages wholly < keep.
+
+        Requires keep <= lo (what is evicted is never needed again this step).
+        """
         held = len(self.pages)
         evict = min(max(keep // page_size - self.first, 0), held)
         if hi <= lo:
             return evict, 0
         q0, q1 = lo // page_size, (hi - 1) // page_size
-        start = q0 if evict == held else max(q0, self.first + held)
-        return evict, max(0, q1 - start + 1)
+        return evict, max(0, q1 - max(q0, self.first + held) + 1)  # evicted pages all lie below q0
 
     def evict(self, count: int, pool: PagePool) -> None:
         if count:

@@ -9,7 +9,9 @@ planning"). Units: bytes; "per token" means per raw token position of a request.
   c4_state    fp32 rows [kv ; score] of width 2*2*head_dim (+ 2*2*index_head_dim for the indexer)
   c128_state  fp32 rows of width 2*head_dim; both state pools are paged: npu_state_pool_size(r, P, R)
 The compressed pools scale with `full` tokens; SWA and the state pools are a fixed cost per running
-request. Not counted: activations, workspaces, graphs, per-request tables, sentinel pages.
+request. Not counted: activations, workspaces, graphs, per-request tables, sentinel pages, and the
+allocator's slack (e.g. a partly filled page per request in each compressed pool, a prefill chunk's
+extra SWA slots); leave a margin in the budget for them.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def plan(
     rows = _RowBytes.of(model, DTYPE_BYTES[dtype])
     per_request = _per_request(model, page_size, rows)
     params, wbytes, groups = count_weights(model, weight_format)
-    w_device = math.ceil(wbytes / num_devices)
+    w_device = -(-wbytes // num_devices)  # ceil, in integers
     budget = int(hbm_gib * GIB)
     fixed = w_device + max_running * per_request["bytes_per_request"]
     token_budget = max(0, budget - fixed)

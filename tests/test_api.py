@@ -1,0 +1,223 @@
+"""The embedded API on the real actor system: Engine (sync facade), AsyncEngine (trio), SamplingParams."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import trio
+
+from dsv4serve import AsyncEngine, Completion, Engine, RequestError, SamplingParams, TokenEvent
+from dsv4serve.actors.tokenizer_core import encode_prompt, load_tokenizer
+from dsv4serve.config import EngineConfig
+
+SMALL: dict[str, Any] = {"max_total_tokens": 512, "page_size": 16, "max_num_seqs": 8}
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[Engine]:
+    with Engine(tiny_model_dir, **SMALL) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+def request_logs() -> Iterator[list[dict[str, Any]]]:
+    """Every structlog event of the test (at any level), whatever the session configured before."""
+    saved = structlog.get_config()
+    capture = structlog.testing.LogCapture()
+    structlog.configure(
+        processors=[capture],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+        cache_logger_on_first_use=False,
+    )
+    yield capture.entries
+    structlog.configure(**saved)
+
+
+async def wait_all_free(eng: AsyncEngine) -> None:
+    with trio.fail_after(30):
+        while any(used for used, _ in eng.pool_usage().values()) or eng.stats().running:
+            await trio.sleep(0.02)
+
+
+# ---------------------------------------------------------------- SamplingParams
+
+
+def test_sampling_params_defaults_and_normalization() -> None:
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (16, 1.0, 1.0, 0, None)
+    assert (p.stop, p.stop_token_ids, p.logprobs) == ((), (), False)
+    q = SamplingParams(stop="\n", stop_token_ids=[1, 2], temperature=0, top_p=1)
+    assert (q.stop, q.stop_token_ids) == (("\n",), (1, 2))
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 2.0),
+        ("max_tokens", True),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "1"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("stop", [""]),
+        ("stop", ""),
+        ("stop", [3]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["a"]),
+        ("stop_token_ids", 5),
+        ("logprobs", 1),
+    ],
+)
+def test_sampling_params_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: expected "):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("cls", [Engine, AsyncEngine])
+def test_engine_defaults_are_engine_config_defaults(cls: type) -> None:
+    defaults = {n: p.default for n, p in inspect.signature(cls).parameters.items() if n != "model"}
+    config = EngineConfig()
+    assert defaults.pop("seed") is None
+    assert defaults == {name: getattr(config, name) for name in defaults}
+
+
+# ---------------------------------------------------------------- Engine (sync)
+
+
+def test_generate_str_and_token_prompts_in_input_order(engine: Engine, tok: Any) -> None:
+    fib_ids = encode_prompt(tok, "def fibonacci(n):")
+    prompts: list[str | list[int]] = ["The capital of France is", fib_ids, "Hello", [0, 100, 200, 300]]
+    prompts.append("def fibonacci(n):")
+    params = [greedy(n) for n in (3, 4, 5, 6, 4)]
+    out = engine.generate(prompts, params)
+    assert [type(c) for c in out] == [Completion] * 5
+    expected_ids = [encode_prompt(tok, p) if isinstance(p, str) else p for p in prompts]
+    assert [list(c.prompt_token_ids) for c in out] == expected_ids
+    assert [c.finish_reason for c in out] == ["length"] * 5
+    assert [len(c.token_ids) for c in out] == [3, 4, 5, 6, 4]
+    for c in out:
+        assert c.text == tok.decode(list(c.token_ids), skip_special_tokens=True)
+        assert c.logprobs is None
+    assert out[4].token_ids == out[1].token_ids  # the string and its ids are the same prompt
+
+
+def test_generate_one_string_and_logprobs(engine: Engine) -> None:
+    [c] = engine.generate("Hello", greedy(4, logprobs=True))
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids) == 4
+    assert all(lp <= 0 for lp in c.logprobs)
+
+
+def test_generate_rejects_bad_prompts(engine: Engine) -> None:
+    for bad, field in [
+        ([], "prompts"),
+        ([[]], r"prompts\[0\]"),
+        ([1, 2], r"prompts\[0\]"),
+        (["a", [-1]], r"prompts\[1\]"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{field}: expected"):
+            engine.generate(bad, greedy(2))  # type: ignore[arg-type]
+
+
+def test_failed_requests_raise_and_free_their_batch(engine: Engine) -> None:
+    vocab = 129280
+    with pytest.raises(RequestError) as err:
+        engine.generate(["ok", [1, vocab]], greedy(2))
+    assert err.value.code == "invalid_request" and "prompt_token_ids[1]" in err.value.message
+    with pytest.raises(RequestError) as err:
+        engine.generate(["a long one", "too long"], [greedy(300), greedy(600)])
+    assert err.value.code == "context_too_long"
+    stats = engine.stats()
+    assert all(p.used == 0 for p in stats.pools.values()), stats
+    assert engine.generate(["still", "serving"], greedy(2))[1].finish_reason == "length"
+
+
+def test_close_drains_in_flight_requests_then_refuses(tiny_model_dir: Path) -> None:
+    eng = Engine(tiny_model_dir, **SMALL)
+    results: list[list[Completion]] = []
+    worker = threading.Thread(target=lambda: results.append(eng.generate(["drain me"], greedy(12))))
+    worker.start()
+    while eng.stats().running + eng.stats().waiting == 0 and worker.is_alive():
+        threading.Event().wait(0.01)
+    eng.close()
+    worker.join()
+    assert [c.finish_reason for c in results[0]] == ["length"]
+    eng.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate(["late"], greedy(2))
+
+
+def test_engine_rejects_a_missing_model(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        Engine(tmp_path)
+
+
+# ---------------------------------------------------------------- AsyncEngine
+
+
+async def test_async_stream_then_cancel_by_cancelling_the_consumer(
+    tiny_model_dir: Path, request_logs: list[dict[str, Any]]
+) -> None:
+    async with AsyncEngine(tiny_model_dir, **SMALL) as eng:
+        events = [event async for event in eng.stream("Hello", greedy(6))]
+        *deltas, done = events
+        assert isinstance(done, Completion) and all(isinstance(d, TokenEvent) for d in deltas)
+        assert "".join(d.text for d in deltas) == done.text  # type: ignore[union-attr]
+        assert sum((d.token_ids for d in deltas), ()) == done.token_ids  # type: ignore[union-attr]
+        assert (await eng.generate(["Hello"], greedy(6)))[0].token_ids == done.token_ids
+
+        first_token = trio.Event()
+        seen: list[object] = []
+
+        async def consume() -> None:
+            async for event in eng.stream("The capital of France is", greedy(400)):
+                seen.append(event)
+                first_token.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            await first_token.wait()
+            nursery.cancel_scope.cancel()  # cancel the consuming task
+        assert seen and all(isinstance(e, TokenEvent) for e in seen)
+        await wait_all_free(eng)
+        assert (await eng.generate(["after"], greedy(2)))[0].finish_reason == "length"
+    ends = [e for e in request_logs if e["event"] == "request"]
+    cancelled = [e for e in ends if e["finish_reason"] == "cancelled"]
+    assert len(cancelled) == 1 and cancelled[0]["completion_tokens"] < 400
+
+
+async def test_async_generate_cancelled_by_its_caller_frees_memory(tiny_model_dir: Path) -> None:
+    async with AsyncEngine(tiny_model_dir, **SMALL) as eng:
+        with trio.move_on_after(0.5) as scope:
+            await eng.generate(["one", "two", [0, 5, 6]], greedy(400))
+        assert scope.cancelled_caught
+        await wait_all_free(eng)
+        with pytest.raises(ValueError, match=r"^prompt: expected"):
+            async for _ in eng.stream([], greedy(2)):
+                pass
+    with pytest.raises(RuntimeError, match="not running"):
+        await eng.generate(["x"], greedy(1))

@@ -1,0 +1,137 @@
+"""SlotTables / write_cache_locs and the KVPools device buffers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.memory import (
+    POOL_NAMES,
+    KVAllocator,
+    KVPools,
+    PoolSizes,
+    SlotTables,
+    block_table,
+    flat,
+    write_cache_locs,
+    write_cache_locs_batch,
+)
+from dsv4serve.protocol import CacheLocs, pack_slots
+
+TINY = ModelConfig.from_dict(
+    {
+        "num_hidden_layers": 4,
+        "compress_ratios": [0, 4, 16, 4],
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "head_dim": 32,
+        "qk_rope_head_dim": 8,
+        "q_lora_rank": 16,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "sliding_window": 8,
+        "vocab_size": 100,
+        "max_position_embeddings": 512,
+    }
+)
+P = 4
+ENGINE = EngineConfig(page_size=P, max_num_seqs=3, max_total_tokens=200, max_num_batched_tokens=64)
+
+
+def test_table_shapes_and_zero_init() -> None:
+    tables = SlotTables(TINY, ENGINE, "cpu")
+    shapes = {name: tuple(tables.table(name).shape) for name in POOL_NAMES}
+    assert shapes == {
+        "full": (3, 200),
+        "swa": (3, 200),
+        "c4": (3, 51),
+        "c128": (3, 13),
+        "c4_state": (3, 200),
+        "c128_state": (3, 200),
+    }
+    assert all(tables.table(n).dtype == torch.int32 and not tables.table(n).any() for n in POOL_NAMES)
+
+
+def test_write_cache_locs_puts_each_field_at_its_index_range() -> None:
+    tables = SlotTables(TINY, ENGINE, "cpu")
+    locs = CacheLocs(
+        step=0,
+        rid="a",
+        row=2,
+        prefix_len=30,
+        seq_len=34,
+        full=pack_slots([5, 6, 7, 8]),
+        swa=pack_slots([9, 10, 11, 12]),
+        c4=pack_slots([40]),  # compressed index 33 // 4 - 1 = 7
+        c4_state=pack_slots([70, 71]),  # raw positions [32, 34)
+        c128_state=pack_slots([99]),  # raw position 33
+    )
+    write_cache_locs(tables, locs)
+    assert tables.full[2, 30:34].tolist() == [5, 6, 7, 8] and tables.full[2].count_nonzero() == 4
+    assert tables.swa[2, 30:34].tolist() == [9, 10, 11, 12]
+    assert tables.c4[2, 7].item() == 40 and tables.c4.count_nonzero() == 1
+    assert not tables.c128.any()
+    assert tables.c4_state[2, 32:34].tolist() == [70, 71] and tables.c4_state.count_nonzero() == 2
+    assert tables.c128_state[2, 33].item() == 99 and tables.c128_state.count_nonzero() == 1
+    assert not tables.full[:2].any()
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+def test_tables_from_the_allocator_give_block_tables(mode: str) -> None:
+    engine = ENGINE.with_(state_mode=mode)
+    alloc = KVAllocator(TINY, engine)
+    one, many = SlotTables(TINY, engine, "cpu"), SlotTables(TINY, engine, "cpu")
+    steps = [[("a", 0, 23), ("b", 0, 9)], [("a", 23, 24), ("b", 9, 40)], [("a", 24, 25), ("b", 40, 41)]]
+    for step, batch in enumerate(steps):
+        got = [alloc.allocate(rid, prefix, seq, step) for rid, prefix, seq in batch]
+        granted = [locs for locs in got if isinstance(locs, CacheLocs)]
+        assert len(granted) == len(got)
+        for locs in granted:
+            write_cache_locs(one, locs)
+        write_cache_locs_batch(many, granted)
+    for name in POOL_NAMES:
+        assert torch.equal(one.table(name), many.table(name)), name
+    row = alloc.row_of("b")
+    full = one.full[row, :41]
+    assert torch.equal(full % P, torch.arange(41, dtype=torch.int32) % P)
+    pages = block_table(one.full, P)[row, : math.ceil(41 / P)]
+    assert torch.equal(pages.repeat_interleave(P)[:41] * P + torch.arange(41) % P, full)
+    assert pages.unique().numel() == pages.numel() and (pages > 0).all()
+    one.clear_row(row)
+    assert not any(one.table(name)[row].any() for name in POOL_NAMES)
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+def test_kv_pools_shapes_init_and_sentinel(mode: str) -> None:
+    engine = ENGINE.with_(state_mode=mode, dtype="bfloat16")
+    sizes = PoolSizes.for_engine(TINY, engine)
+    pools = KVPools(TINY, sizes, engine)
+    assert len(pools.swa) == 4 and pools.swa[0].shape == (sizes.swa + 1, P, 1, 32)
+    assert pools.swa[0].dtype == torch.bfloat16
+    assert sorted(pools.c4) == [1, 3] and pools.c4[1].shape == (sizes.c4 + 1, P, 1, 32)
+    assert pools.c4_index[3].shape == (sizes.c4 + 1, P, 1, 16)
+    assert sorted(pools.c128) == [2] and pools.c128[2].shape == (sizes.c128 + 1, P, 1, 32)
+    c4s, c4i, c128s = pools.c4_state[1], pools.c4_index_state[1], pools.c128_state[2]
+    assert c4s.shape == (sizes.c4_state + 1, P, 1, 128) and c4s.dtype == torch.float32
+    assert c4i.shape == (sizes.c4_state + 1, P, 1, 64)
+    assert c128s.shape == (sizes.c128_state + 1, P, 1, 64)
+    for state in (c4s, c4i, c128s):
+        half = state.shape[-1] // 2
+        assert not state[..., :half].any() and torch.isneginf(state[..., half:]).all()
+    ring = mode == "ring"
+    assert pools.state_sentinel == {"c4_state": 3 * 8 if ring else 0, "c128_state": 3 * 16 if ring else 0}
+    assert flat(c4s).shape == ((sizes.c4_state + 1) * P, 128)
+    assert flat(c4s).shape[0] > pools.state_sentinel["c4_state"] + 7  # the sentinel bank fits
+    nbytes = pools.nbytes()
+    assert nbytes["swa"] == 4 * (sizes.swa + 1) * P * 32 * 2
+    assert nbytes["c4_state"] == 2 * (sizes.c4_state + 1) * P * 128 * 4
+    assert set(nbytes) == {"swa", "c4", "c4_index", "c128", "c4_state", "c4_index_state", "c128_state"}
