@@ -14,7 +14,7 @@ import torch
 
 from dsv4serve.attention import core
 from dsv4serve.attention.hadamard import hadamard_transform
-from dsv4serve.moe.experts import routed_experts_reference
+from dsv4serve.moe.experts import routed_experts_dense, routed_experts_reference
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,16 @@ REFERENCE = Backend(
 )
 
 
+DENSE_EXPERTS_MAX_TOKENS = 64
+
+
+def _experts_for_graphs(x: torch.Tensor, *args: object) -> torch.Tensor:
+    """Decode-sized batches take the fixed-shape form (capturable in a graph); prefills gather."""
+    if x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS:
+        return routed_experts_dense(x, *args)  # type: ignore[arg-type]
+    return routed_experts_reference(x, *args)  # type: ignore[arg-type]
+
+
 def select_backend(device: str) -> Backend:
     """The backend for a device kind: 'cpu' -> reference; 'cuda' / 'npu' -> their kernels where
     they exist, the reference elsewhere."""
@@ -44,7 +54,7 @@ def select_backend(device: str) -> Backend:
     if kind == "cpu":
         return replace(REFERENCE, name="cpu")
     if kind == "cuda":
-        return replace(REFERENCE, name="cuda")
+        return replace(REFERENCE, name="cuda", routed_experts=_experts_for_graphs)
     if kind == "npu":
-        return replace(REFERENCE, name="npu")
+        return replace(REFERENCE, name="npu", routed_experts=_experts_for_graphs)
     raise ValueError(f"unknown device {device!r}")

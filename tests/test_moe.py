@@ -1,0 +1,81 @@
+"""MoE: routers and the routed-expert ops, the graph-capturable form against the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4serve.moe.experts import routed_experts_dense, routed_experts_reference, swiglu
+from dsv4serve.moe.routing import route, score_fn
+
+
+def _experts(num: int, hidden: int, inter: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    return (
+        torch.randn(num, inter, hidden, generator=gen) / hidden**0.5,
+        torch.randn(num, hidden, inter, generator=gen) / inter**0.5,
+        torch.randn(num, inter, hidden, generator=gen) / hidden**0.5,
+    )
+
+
+def test_dense_experts_match_reference_on_random_inputs() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for tokens, num, top_k in ((1, 8, 2), (7, 16, 4), (33, 8, 3)):
+        x = torch.randn(tokens, 24, generator=gen) * 2
+        w1, w2, w3 = _experts(num, 24, 12, gen)
+        weights, ids = route(
+            x,
+            torch.randn(num, 24, generator=gen),
+            top_k=top_k,
+            scoring="sqrtsoftplus",
+            scaling=1.5,
+            bias=torch.randn(num, generator=gen),
+        )
+        ref = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0)
+        got = routed_experts_dense(x, weights, ids, w1, w2, w3, 1.0)
+        assert torch.allclose(ref, got, atol=1e-5), float((ref - got).abs().max())
+
+
+def test_reference_experts_equal_explicit_sum() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 16, generator=gen)
+    w1, w2, w3 = _experts(6, 16, 8, gen)
+    ids = torch.tensor([[0, 5], [1, 2], [3, 3], [4, 0], [2, 1]])
+    weights = torch.rand(5, 2, generator=gen)
+    got = routed_experts_reference(x, weights, ids, w1, w2, w3, 0.5)
+    for t in range(5):
+        want = sum(
+            weights[t, k] * swiglu(x[t], w1[ids[t, k]], w2[ids[t, k]], w3[ids[t, k]], 0.5) for k in range(2)
+        )
+        assert torch.allclose(got[t], want, atol=1e-6)
+
+
+def test_swiglu_clamps_gate_above_and_up_both_ways() -> None:
+    eye = torch.eye(2)
+    x = torch.tensor([[5.0, -5.0]])
+    out = swiglu(x, eye, eye, eye, 1.0)  # gate = (5, -5) -> (1, -5); up = (5, -5) -> (1, -1)
+    want = torch.nn.functional.silu(torch.tensor([1.0, -5.0])) * torch.tensor([1.0, -1.0])
+    assert torch.allclose(out[0], want)
+
+
+def test_bias_changes_selection_not_weights() -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    gate = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 100.0])  # expert 5 always chosen
+    weights, ids = route(x, gate, top_k=2, scoring="sqrtsoftplus", scaling=2.0, bias=bias)
+    assert (ids == 5).any(dim=1).all()
+    scores = score_fn(x @ gate.T, "sqrtsoftplus").gather(1, ids)
+    assert torch.allclose(weights, 2.0 * scores / scores.sum(-1, keepdim=True))
+
+
+def test_hash_routing_uses_the_token_table() -> None:
+    x = torch.randn(3, 8)
+    table = torch.tensor([[0, 1], [2, 3], [4, 5], [1, 4]])
+    _, ids = route(
+        x,
+        torch.randn(6, 8),
+        top_k=2,
+        scoring="sqrtsoftplus",
+        scaling=1.0,
+        tid2eid=table,
+        input_ids=torch.tensor([3, 0, 2]),
+    )
+    assert ids.tolist() == [[1, 4], [0, 1], [4, 5]]
