@@ -233,8 +233,8 @@ def run_scenario(data: st.DataObject, h: Harness, num_ops: int) -> None:
     for _ in range(num_ops):
         h.step += 1
         op = data.draw(st.sampled_from(["admit", "admit", "chunk", "decode", "decode", "preempt", "end"]))
-        if op == "admit" or (op == "chunk" and waiting and data.draw(st.booleans())):
-            if waiting and data.draw(st.booleans()):
+        if op == "admit":
+            if bool(waiting) and data.draw(st.booleans()):
                 req = waiting.pop(0)  # a preempted request starts again from 0
             else:
                 counter += 1

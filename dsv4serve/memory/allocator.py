@@ -18,7 +18,8 @@ FULL, SWA, C4, C128, C4_STATE, C128_STATE = range(6)
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """Why a step could not be allocated (nothing was allocated).
+    """Why a step could not be allocated: nothing was allocated, but a held request's dead pages
+    (see KVAllocator) were freed all the same.
 
     reason "no_room": `pool` needs `needed_slots` and can give `free_slots` (its free slots plus
     what the request itself would release this step). "no_row": pool "row", 1 needed, 0 free.
@@ -140,10 +141,9 @@ class KVAllocator:
         req = self._reqs.get(rid) if rid is not None else None
         if req is not None:
             assert prefix_len == req.length, f"{rid}: prefix {prefix_len} != held length {req.length}"
-        if self._precheck("", req, seq_len) is not None:
-            return False
         windows = self._windows(prefix_len, seq_len)
-        return not isinstance(self._plan(req or _empty_request(), windows), str)
+        found = self._precheck("", req, seq_len) or self._plan("", req or _empty_request(), windows)
+        return not isinstance(found, Refusal)
 
     # ------------------------------------------------------------------ transitions
 
@@ -152,17 +152,12 @@ class KVAllocator:
         assert 0 <= prefix_len < seq_len, f"{rid}: bad step {prefix_len} -> {seq_len}"
         req = self._reqs.get(rid)
         assert prefix_len == (req.length if req else 0), f"{rid}: prefix {prefix_len} != held length"
-        refusal = self._precheck(rid, req, seq_len)
-        if refusal is not None:
-            return refusal
         windows = self._windows(prefix_len, seq_len)
-        plan = self._plan(req or _empty_request(), windows)
-        if isinstance(plan, str):
+        plan = self._precheck(rid, req, seq_len) or self._plan(rid, req or _empty_request(), windows)
+        if isinstance(plan, Refusal):
             if req is not None:
                 self._evict_dead(req, windows)
-            pool = POOL_NAMES.index(plan)
-            need, have = self._need_have(req or _empty_request(), windows, pool)
-            return Refusal(rid, plan, need, have, "no_room")
+            return plan
         if req is None:
             req = _empty_request()
             req.row = heapq.heappop(self._free_rows)
@@ -200,22 +195,16 @@ class KVAllocator:
             out.append((p, max(prefix, step_keep), seq, keep_start(ratio, prefix), step_keep))
         return out
 
-    def _plan(self, req: _Request, windows: list[_Window]) -> list[tuple[int, int]] | str:
-        """Per window (pages to evict, pages to take), or the name of the first pool short of pages."""
+    def _plan(self, rid: str, req: _Request, windows: list[_Window]) -> list[tuple[int, int]] | Refusal:
+        """Per window (pages to evict, pages to take), or a refusal naming the first pool short of pages."""
         size, out = self.page_size, []
         for p, lo, hi, _, keep in windows:
             evict, take = req.runs[p].plan(lo, hi, keep, size)
-            if take > self._pools[p].num_free + evict:
-                return POOL_NAMES[p]
+            have = self._pools[p].num_free + evict
+            if take > have:
+                return Refusal(rid, POOL_NAMES[p], take * size, have * size, "no_room")
             out.append((evict, take))
         return out
-
-    def _need_have(self, req: _Request, windows: list[_Window], pool: int) -> tuple[int, int]:
-        for p, lo, hi, _, keep in windows:
-            if p == pool:
-                evict, take = req.runs[p].plan(lo, hi, keep, self.page_size)
-                return take * self.page_size, (self._pools[p].num_free + evict) * self.page_size
-        raise AssertionError(pool)
 
     def _evict_dead(self, req: _Request, windows: list[_Window]) -> None:
         """Free pages no later step can read, whatever happens to this one."""

@@ -71,6 +71,14 @@ def write_cache_locs(tables: SlotTables, locs: CacheLocs) -> None:
             tables.table(pool)[locs.row, start : start + len(data) // 4] = _slots_tensor(data)
 
 
+def _segment_ids(counts: torch.Tensor) -> torch.Tensor:
+    """[n] positive counts -> [sum] segment index of each element (repeat_interleave, minus its cost)."""
+    ends = torch.cumsum(counts, 0)
+    ids = torch.zeros(int(ends[-1]), dtype=torch.int64)
+    ids[ends[:-1]] = 1
+    return torch.cumsum(ids, 0)
+
+
 def write_cache_locs_batch(tables: SlotTables, batch: Sequence[CacheLocs]) -> None:
     """Write many six-tuples at once: one indexed assignment (and one host->device copy) per field."""
     for pool in POOL_NAMES:
@@ -81,11 +89,11 @@ def write_cache_locs_batch(tables: SlotTables, batch: Sequence[CacheLocs]) -> No
         starts = torch.tensor([tables.first_index(pool, locs) for locs in parts], dtype=torch.int64)
         rows = torch.tensor([locs.row for locs in parts], dtype=torch.int64)
         values = _slots_tensor(b"".join(getattr(locs, pool) for locs in parts))
-        ends = torch.cumsum(counts, 0)
-        cols = torch.arange(int(ends[-1])) + torch.repeat_interleave(starts - (ends - counts), counts)
+        seg = _segment_ids(counts)
+        cols = torch.arange(seg.numel()) + (starts - torch.cumsum(counts, 0) + counts)[seg]
         table = tables.table(pool)
         dev = table.device
-        table[torch.repeat_interleave(rows, counts).to(dev), cols.to(dev)] = values.to(dev)
+        table[rows[seg].to(dev), cols.to(dev)] = values.to(dev)
 
 
 def block_table(table: torch.Tensor, page_size: int) -> torch.Tensor:
