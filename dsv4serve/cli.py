@@ -142,7 +142,7 @@ def render_plan(p: SizingPlan) -> str:
         _line("c128 state (per state slot)", f"{n128} x 2x{d} x 4", p.c128_state_bytes_per_slot),
         "",
         _line("per running request", "slots (formula)", "slots, bytes"),
-        _line("swa", f"(ceil({w}/{pg}) + 1) x {pg}", p.swa_slots_per_request),
+        _line("swa", f"(ceil(({w}-1)/{pg}) + 1) x {pg}", p.swa_slots_per_request),
         _line("c4 state", f"max(2, ceil(1.8x4/{pg}) + 1) x {pg}", p.c4_state_slots_per_request),
         _line("c128 state", f"max(2, ceil(1.8x{r}/{pg}) + 1) x {pg}", p.c128_state_slots_per_request),
         _line("bytes", "slots x bytes per slot, summed", p.bytes_per_request),
@@ -339,6 +339,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(f"tiny DeepSeek-V4 checkpoint: {model_dir} ({'built' if built else 'cached'})", flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     engine = AsyncEngine(model_dir, **_engine_knobs(args))
+    print(
+        f"streaming {len(DEMO_PROMPTS)} prompts through the actor system on {args.device} "
+        f"(max_tokens {params.max_tokens}, temperature {params.temperature}); [prompt] + new text:",
+        flush=True,
+    )
     completions, seconds = trio.run(_demo, engine, params)
     num_tokens = sum(len(c.token_ids) for c in completions)
     reasons = ", ".join(f"{r}={sum(c.finish_reason == r for c in completions)}" for r in FINISH_REASONS)

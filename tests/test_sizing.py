@@ -136,7 +136,7 @@ def test_pro_figures() -> None:
 def test_small_ratio_and_no_hca_layers(flash: ModelConfig) -> None:
     tiny = dataclasses.replace(flash, num_layers=4, compress_ratios=(0, 4, 8, 4), sliding_window=8)
     p = plan(tiny, page_size=16, max_running=3, hbm_gib=1, weight_format="bf16")
-    assert p.swa_slots_per_request == (math.ceil(8 / 16) + 1) * 16
+    assert p.swa_slots_per_request == (math.ceil((8 - 1) / 16) + 1) * 16
     assert p.c128_state_slots == npu_state_pool_size(8, 16, 3) == 2 * 3 * 16
     assert token_unit(tiny, 16) == 16 * 8 and p.full_slots % 128 == 0
     assert p.c128_bytes_per_token == 1 * 512 * 2 / 8

@@ -7,12 +7,11 @@ which maps to one physical page, so slot(i) = phys[i // P] * P + i % P and slot 
 
 from __future__ import annotations
 
-import math
 from array import array
 from collections import deque
 from dataclasses import dataclass
 
-from dsv4serve.config import EngineConfig, ModelConfig, npu_state_pool_size, ring_size
+from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.protocol import SLOT_DTYPE
 
 POOL_NAMES = ("full", "swa", "c4", "c128", "c4_state", "c128_state")
@@ -50,28 +49,10 @@ class PoolSizes:
 
     @classmethod
     def for_engine(cls, model: ModelConfig, engine: EngineConfig) -> PoolSizes:
-        page, seqs = engine.page_size, engine.max_num_seqs
-        hca, has_c4 = model.hca_ratio, 4 in model.compress_ratio_set
-        full = math.ceil(engine.max_total_tokens / page)
-        swa_per_seq = math.ceil((model.sliding_window - 1) / page) + 2
-        swa = min(full, seqs * swa_per_seq + math.ceil(engine.max_num_batched_tokens / page))
-        c4 = math.ceil(engine.max_total_tokens / 4 / page) + seqs if has_c4 else 0
-        c128 = math.ceil(engine.max_total_tokens / hca / page) + seqs if hca else 0
-        return cls(
-            full=full,
-            swa=swa,
-            c4=c4,
-            c128=c128,
-            c4_state=_state_pages(4, engine) if has_c4 else 0,
-            c128_state=_state_pages(hca, engine) if hca else 0,
-        )
+        """The engine's sizes; the formulas live in memory/sizing.py."""
+        from dsv4serve.memory.sizing import engine_pool_sizes
 
-
-def _state_pages(ratio: int, engine: EngineConfig) -> int:
-    page, seqs = engine.page_size, engine.max_num_seqs
-    if engine.state_mode == "ring":
-        return math.ceil((seqs + 1) * ring_size(ratio) / page)
-    return npu_state_pool_size(ratio, page, seqs) // page
+        return engine_pool_sizes(model, engine)
 
 
 class PagePool:

@@ -2,8 +2,8 @@
 
 Every figure is plain integer arithmetic on the config so it can be checked by hand (README, "Memory
 planning"). Units: bytes; "per token" means per raw token position of a request. Pools (DESIGN §3):
-  swa         every layer, one K=V row of head_dim per slot; R * (ceil(W/P) + 1) * P slots
-              (each running request's window plus one page for the partly filled one)
+  swa         every layer, one K=V row of head_dim per slot; R * (ceil((W-1)/P) + 1) * P slots
+              (the W raw positions a running request's next query sees span at most that many pages)
   c4 / index  ratio-4 layers, one row of head_dim / index_head_dim per closed 4-token window
   c128        HCA layers, one row of head_dim per closed hca_ratio-token window
   c4_state    fp32 rows [kv ; score] of width 2*2*head_dim (+ 2*2*index_head_dim for the indexer)
@@ -12,6 +12,9 @@ The compressed pools scale with `full` tokens; SWA and the state pools are a fix
 request. Not counted: activations, workspaces, graphs, per-request tables, sentinel pages, and the
 allocator's slack (e.g. a partly filled page per request in each compressed pool, a prefill chunk's
 extra SWA slots); leave a margin in the budget for them.
+
+`engine_pool_sizes` is the engine's own sizing from an EngineConfig (what KVAllocator and KVPools
+use): the same per-request figures plus that slack, so no step within the budget is ever refused.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dsv4serve.config import ConfigError, ModelConfig, npu_state_pool_size
+from dsv4serve.config import ConfigError, EngineConfig, ModelConfig, npu_state_pool_size, ring_size
+from dsv4serve.memory.paged import PoolSizes
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -84,9 +88,42 @@ class SizingPlan:
         return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in out.items()}
 
 
+def swa_pages_per_request(model: ModelConfig, page_size: int) -> int:
+    """SWA pages a running request holds between steps: its last W positions span at most this many."""
+    return math.ceil((model.sliding_window - 1) / page_size) + 1
+
+
 def swa_slots_per_request(model: ModelConfig, page_size: int) -> int:
-    """SWA slots one running request needs: its window plus one page for the partly filled one."""
-    return (math.ceil(model.sliding_window / page_size) + 1) * page_size
+    return swa_pages_per_request(model, page_size) * page_size
+
+
+def engine_pool_sizes(model: ModelConfig, engine: EngineConfig) -> PoolSizes:
+    """Pages per pool for an engine (sentinel page excluded).
+
+    full: max_total_tokens. swa: every running request's window, plus the step's token budget and one
+    partly filled page per request for prefill chunks. c4 / c128: the compressed share of full plus one
+    partly filled page per request. State: npu_state_pool_size (paged) or max_num_seqs + 1 rings.
+    """
+    page, seqs = engine.page_size, engine.max_num_seqs
+    hca, has_c4 = model.hca_ratio, 4 in model.compress_ratio_set
+    full = math.ceil(engine.max_total_tokens / page)
+    chunk_pages = math.ceil(engine.max_num_batched_tokens / page) + seqs
+    swa = min(full, seqs * swa_pages_per_request(model, page) + chunk_pages)
+    return PoolSizes(
+        full=full,
+        swa=swa,
+        c4=math.ceil(engine.max_total_tokens / 4 / page) + seqs if has_c4 else 0,
+        c128=math.ceil(engine.max_total_tokens / hca / page) + seqs if hca else 0,
+        c4_state=_engine_state_pages(4, engine) if has_c4 else 0,
+        c128_state=_engine_state_pages(hca, engine) if hca else 0,
+    )
+
+
+def _engine_state_pages(ratio: int, engine: EngineConfig) -> int:
+    page, seqs = engine.page_size, engine.max_num_seqs
+    if engine.state_mode == "ring":
+        return math.ceil((seqs + 1) * ring_size(ratio) / page)
+    return npu_state_pool_size(ratio, page, seqs) // page
 
 
 def state_slots(model: ModelConfig, ratio: int, page_size: int, max_running: int) -> int:
