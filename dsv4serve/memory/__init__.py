@@ -1,10 +1,26 @@
-"""DeepSeek-V4 KV memory: pools, the allocator (six-tuples), per-request slot tables."""
+"""DeepSeek-V4 KV memory: pools, the allocator (six-tuples), per-request slot tables, sizing.
 
-from dsv4serve.memory.allocator import KVAllocator, PoolUsage, Refusal, ring_slots
-from dsv4serve.memory.paged import POOL_NAMES, STATE_POOLS, PagePool, PageRun, PoolSizes, keep_start
-from dsv4serve.memory.pools import KVPools, flat
-from dsv4serve.memory.tables import SlotTables, block_table, write_cache_locs, write_cache_locs_batch
+Names load lazily so that `plan` (sizing only) does not import torch.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsv4serve.memory.allocator import KVAllocator, PoolUsage, Refusal, ring_slots
+    from dsv4serve.memory.paged import POOL_NAMES, STATE_POOLS, PagePool, PageRun, PoolSizes, keep_start
+    from dsv4serve.memory.pools import KVPools, flat
+    from dsv4serve.memory.tables import SlotTables, block_table, write_cache_locs, write_cache_locs_batch
+
+_HOMES = {
+    "allocator": ("KVAllocator", "PoolUsage", "Refusal", "ring_slots"),
+    "paged": ("POOL_NAMES", "STATE_POOLS", "PagePool", "PageRun", "PoolSizes", "keep_start"),
+    "pools": ("KVPools", "flat"),
+    "tables": ("SlotTables", "block_table", "write_cache_locs", "write_cache_locs_batch"),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = [
     "POOL_NAMES",
     "STATE_POOLS",
@@ -23,3 +39,9 @@ __all__ = [
     "write_cache_locs",
     "write_cache_locs_batch",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'dsv4serve.memory' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dsv4serve.memory.{_MODULE_OF[name]}"), name)
