@@ -120,7 +120,8 @@ def _prompt(name: str, prompt: object) -> Prompt:
 def _params_list(params: Params, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * n
-    _check("params", len(params) == n, f"one SamplingParams per prompt ({n})", f"{len(params)} of them")
+    if len(params) != n:
+        raise ValueError(f"params: expected one SamplingParams per prompt ({n}), got {len(params)}")
     for i, p in enumerate(params):
         _check(f"params[{i}]", isinstance(p, SamplingParams), "a SamplingParams", p)
     return list(params)
@@ -321,11 +322,13 @@ class AsyncEngine:
     async def _completion(self, prompt: Prompt, event: protocol.Event) -> Completion:
         match event:
             case protocol.DoneEvent():
+                prompt_ids = await self._prompt_ids(prompt)
+                assert len(prompt_ids) == event.usage.prompt_tokens, "the ids the model saw"
                 return Completion(
                     token_ids=event.token_ids,
                     text=event.text,
                     finish_reason=event.finish_reason,
-                    prompt_token_ids=await self._prompt_ids(prompt),
+                    prompt_token_ids=prompt_ids,
                     logprobs=event.logprobs,
                 )
             case protocol.ErrorEvent():
@@ -352,8 +355,9 @@ class AsyncEngine:
 class Engine:
     """The sync API: `with Engine(model_dir, ...) as engine: engine.generate(prompts, params)`.
 
-    The engine runs in a background thread (its own trio run); `close()` finishes every accepted
-    request, stops it and joins the thread. Safe to call from several threads at once.
+    The engine runs in a background thread (its own trio run); `close()` waits for the calls in
+    flight (so every accepted request finishes), stops it and joins the thread. Its methods may be
+    called from several threads at once.
     """
 
     def __init__(
@@ -383,7 +387,9 @@ class Engine:
         self._started: Future[trio.lowlevel.TrioToken] = Future()
         self._stop: trio.Event | None = None
         self._failure: BaseException | None = None
+        self._calls = threading.Condition()  # guards _closed and _num_calls
         self._closed = False
+        self._num_calls = 0
         self._thread = threading.Thread(target=self._run, name="dsv4serve-engine", daemon=True)
         self._thread.start()
         try:
@@ -410,24 +416,32 @@ class Engine:
         return self._call(_as_async(self._engine.pool_usage))
 
     def close(self) -> None:
-        """Finish every accepted request, stop the engine and join its thread (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Wait for the calls in flight, stop the engine and join its thread (idempotent)."""
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True  # refuse new calls
+            self._calls.wait_for(lambda: self._num_calls == 0)
         if self._stop is not None:
             with suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join()
         if self._failure is not None:
-            raise RuntimeError("the engine failed") from self._failure
+            raise RuntimeError("Engine: the engine failed") from self._failure
 
     def _call(self, fn: Callable[..., Awaitable[T]], *args: object) -> T:
-        if self._closed:
-            raise RuntimeError("Engine: closed")
+        with self._calls:
+            if self._closed:
+                raise RuntimeError("Engine: closed")
+            self._num_calls += 1
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except trio.RunFinishedError as exc:
             raise RuntimeError("Engine: the engine thread has stopped") from self._failure or exc
+        finally:
+            with self._calls:
+                self._num_calls -= 1
+                self._calls.notify_all()
 
     def _run(self) -> None:
         try:

@@ -77,11 +77,11 @@ async def read_requests(lines: LineReader, handle: EngineHandle, events: EventSi
                 continue  # blank lines are not requests
             request = protocol.decode_request(line)
         except RequestError as err:
-            log.info("bad request", rid=err.id, message=err.message)
+            log.info("bad_request", rid=err.id, message=err.message)
             await events.send(err.to_event())
             continue
         if not await answer(request, handle, events):
-            log.info("shutdown requested")
+            log.info("shutdown_requested")
             return
 
 

@@ -20,7 +20,7 @@ from dsv4serve.actors.executor import run_executor
 from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.system import EngineHandle, Parts, SystemOptions, run_actors
 from dsv4serve.config import EngineConfig, ModelConfig
-from dsv4serve.memory import KVAllocator
+from dsv4serve.memory import KVAllocator, Refusal
 from dsv4serve.models.tiny import tiny_config
 from dsv4serve.protocol import (
     Allocate,
@@ -88,8 +88,23 @@ class FakeDevice:
         return [SampledToken(rid=i.rid, token_id=next_token(i)) for i in plan.items if i.sample]
 
 
+class CountingAllocator(KVAllocator):
+    """Fails loudly if the scheduler and the allocator spin on refusals (under the autojump clock a
+    spin never lets time pass, so the test would hang instead of failing)."""
+
+    max_refusals = 200
+
+    def allocate(self, rid: str, prefix_len: int, seq_len: int, step: int) -> CacheLocs | Refusal:
+        got = super().allocate(rid, prefix_len, seq_len, step)
+        if isinstance(got, Refusal):
+            self.max_refusals -= 1
+            assert self.max_refusals > 0, "the scheduler keeps re-planning refused requests"
+        return got
+
+
 def make_parts(device: FakeDevice, engine: EngineConfig = ENGINE) -> Parts:
-    return Parts(MODEL, KVAllocator(MODEL, engine), letters, FakeDecoder(), device.write_locs, device.execute)
+    alloc = CountingAllocator(MODEL, engine)
+    return Parts(MODEL, alloc, letters, FakeDecoder(), device.write_locs, device.execute)
 
 
 @asynccontextmanager
@@ -231,6 +246,24 @@ async def test_requests_stream_and_end_once(autojump_clock: object) -> None:
             assert sum((e.token_ids for e in streamed), ()) == done.token_ids
     assert handle.stopped.is_set()
     assert_free(handle)
+    for recv in chans.values():  # exactly one terminal event: nothing after it
+        with pytest.raises(trio.WouldBlock):
+            recv.receive_nowait()
+
+
+async def test_shutdown_ends_live_requests_with_internal_errors(autojump_clock: object) -> None:
+    async with trio.open_nursery() as nursery:
+        opts = SystemOptions(Path("unused"), ENGINE)
+        handle: EngineHandle = await nursery.start(run_actors, make_parts(FakeDevice()), opts)
+        chans = [submit(handle, f"r{i}", max_tokens=50, stream=True) for i in range(6)]
+        await chans[0].receive()
+        handle.shutdown()
+    ends = [(await events_of(recv))[-1] for recv in chans]
+    assert all(isinstance(e, ErrorEvent) and e.code == "internal" for e in ends), ends
+    assert handle.stopped.is_set()
+    with pytest.raises(RequestError) as err:
+        submit(handle, "after")
+    assert err.value.code == "internal"
 
 
 async def test_drain_finishes_accepted_requests_then_refuses_new_ones(autojump_clock: object) -> None:
@@ -336,7 +369,8 @@ async def test_admission_errors(autojump_clock: object) -> None:
             handle.submit(bad_ids, send)
         assert err.value.code == "invalid_request" and "prompt_token_ids[1]" in err.value.message
         too_long = submit(handle, "long", "a" * 120, max_tokens=9)
-        more = [submit(handle, f"m{i}", max_tokens=3) for i in range(4)]
+        bad_stop = submit(handle, "bad-stop", stop=("",))
+        more = [submit(handle, f"m{i}", max_tokens=3) for i in range(3)]
         with pytest.raises(RequestError) as err:
             submit(handle, "one-too-many")
         assert err.value.code == "overloaded"
@@ -344,13 +378,16 @@ async def test_admission_errors(autojump_clock: object) -> None:
         assert isinstance(done, DoneEvent) and done.usage.completion_tokens == 10  # the original went on
         error = (await events_of(too_long))[-1]
         assert isinstance(error, ErrorEvent) and error.code == "context_too_long" and error.id == "long"
+        error = (await events_of(bad_stop))[-1]
+        assert isinstance(error, ErrorEvent) and error.code == "invalid_request" and "stop" in error.message
         for recv in more:
             assert isinstance((await events_of(recv))[-1], DoneEvent)
 
 
 async def test_preemption_under_memory_pressure(autojump_clock: object) -> None:
     tight = ENGINE.with_(max_total_tokens=128, max_num_batched_tokens=16)  # 8 pages of 16 tokens
-    async with running(FakeDevice(), tight) as handle:
+    device = FakeDevice()
+    async with running(device, tight) as handle:
         chans = [submit(handle, f"r{i}", "abcdefghijklmnopqrst", max_tokens=30) for i in range(4)]
         ends = [(await events_of(recv))[-1] for recv in chans]
         stats = handle.stats()
@@ -358,6 +395,8 @@ async def test_preemption_under_memory_pressure(autojump_clock: object) -> None:
     for end in ends:
         assert isinstance(end, DoneEvent) and end.text == expected
     assert stats.num_finished == 4 and stats.pools["full"].capacity == 128
+    starts = [i.rid for plan in device.plans for i in plan.items if i.prefix_len == 0]
+    assert len(starts) > len(set(starts)) == 4  # some request was preempted and recomputed
     assert_free(handle)
 
 

@@ -266,13 +266,32 @@ def test_no_preemption_while_an_older_step_is_in_flight() -> None:
     assert b is not None and b.state is RequestState.RUNNING
 
 
-def test_newer_refused_steps_do_not_block_preemption() -> None:
-    s, p2, p3 = two_decodes_in_two_steps()
-    assert s.on_refused(p2.step, ["a"]) == RefuseOutcome()  # "a" is the oldest; "b" is in flight
-    p4 = next_plan(s)
-    assert shape(p4) == [("a", 1, 1, True)]
-    # step 3 is refused while only the newer step 4 is in flight: waiting for it could livelock
-    assert s.on_refused(p3.step, ["b"]).preempted == ("b",)
+def test_refused_requests_wait_for_memory_to_change_instead_of_spinning() -> None:
+    s = core(max_num_batched_tokens=100)
+    run_to_decode(s, "a")
+    p1 = next_plan(s)
+    s.add("b", [1], max_tokens=9)
+    s.on_step_done(next_plan(s).step, [SampledToken(rid="b", token_id=5)])
+    p3 = next_plan(s)
+    s.add("c", [1], max_tokens=9)
+    assert shape(p1) == [("a", 2, 1, True)] and shape(p3) == [("b", 1, 1, True)]
+    assert s.on_refused(p3.step, ["b"]) == RefuseOutcome()  # step 1 is older: wait for it
+    assert s.plan() is None  # "b" and "c" would only be refused again while step 1 runs
+    s.on_step_done(p1.step, outputs_for(p1))
+    # nothing in flight: retry; "c" waits until "b" got memory (a newcomer would take it)
+    assert shape(s.plan()) == [("a", 3, 1, True), ("b", 1, 1, True)]
+
+
+def test_newer_steps_in_flight_do_not_block_preemption() -> None:
+    s = core(max_num_batched_tokens=1, max_inflight_steps=3)
+    for rid in "abc":
+        s.add(rid, [1], max_tokens=9)
+    for p in [next_plan(s) for _ in range(3)]:
+        s.on_step_done(p.step, outputs_for(p))
+    p3, p4, _ = next_plan(s), next_plan(s), next_plan(s)
+    assert s.on_refused(p3.step, ["a"]) == RefuseOutcome()  # "a" is the oldest; the rest in flight
+    # step 4 is refused while only the newer step 5 is in flight: waiting for it could livelock
+    assert s.on_refused(p4.step, ["b"]).preempted == ("b",)
 
 
 def test_deferred_cancel_of_refused_item_finishes_there() -> None:
@@ -450,17 +469,16 @@ class Sim:
         return [q for q in (self.alloc_inbox, self.exec_inbox, self.sched_inbox) if q]
 
     def drain(self, max_events: int = 5_000) -> None:
-        """No more refusals, failures or cancels: everything must finish (no starvation)."""
+        """No more refusals, failures or cancels: everything must finish (no starvation), also when
+        the executor is the slowest actor (no spinning on refusals while it works)."""
         self.refuse_p = self.fail_p = 0.0
+        actors = [(self.alloc_inbox, self.allocator), (self.exec_inbox, self.executor)]
+        actors.insert(self.rng.randrange(3), (self.sched_inbox, self.scheduler))
         for _ in range(max_events):
-            if self.alloc_inbox:
-                self.allocator()
-            elif self.exec_inbox:
-                self.executor()
-            elif self.sched_inbox:
-                self.scheduler()
-            else:
+            ready = [handle for inbox, handle in actors if inbox]
+            if not ready:
                 break
+            ready[0]()
         assert not self.busy() and not self.core.has_work(), "starved or stuck"
         assert not self.held and not self.executing, "memory leaked"
 

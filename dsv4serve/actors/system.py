@@ -5,14 +5,17 @@ Flow (bounded channels; capacities below):
   scheduler --Allocate/Free--> allocator --WriteLocs--> kv_writer --TablesReady--> executor
   allocator --AllocRefused--> scheduler;  executor --StepDone--> scheduler
   scheduler --Detokenize/FailRequest--> tokenizer --events--> client channels
-Deadlock freedom: the scheduler's inbox never fills (at most 2 messages per in-flight step, K steps by
-the credit rule, and a few per live request, whose number the handle caps), so the executor,
-allocator and tokenizer never block on it, and every other edge drains downstream.
+Deadlock freedom: the scheduler's inbox is sized never to fill (at most 2 messages per in-flight step,
+K steps by the credit rule, and at most 3 per live request, whose number the handle caps), so the
+executor, allocator and tokenizer never block on it, and every other edge drains downstream. The
+tokenizer awaits each client's event channel: a client that stops reading slows the engine down
+(close the channel to go away: the request is then cancelled).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -209,7 +212,7 @@ async def run_system(
     log = structlog.get_logger().bind(actor="system")
     runner, tok = await trio.to_thread.run_sync(load_model, options)
     parts = parts_of(runner, tok)
-    log.info("loaded", model_dir=str(options.model_dir), pools=parts.allocator.sizes)
+    log.info("loaded", model_dir=str(options.model_dir), pool_pages=dataclasses.asdict(parts.allocator.sizes))
     await run_actors(parts, options, task_status=task_status)
 
 
@@ -252,6 +255,9 @@ async def run_actors(
                 nursery.start_soon(run_kv_writer, writer_inbox, to_executor, parts.write_locs)
                 nursery.start_soon(run_executor, executor_inbox, to_scheduler.clone(), parts.execute)
             task_status.started(handle)
+    except Exception:
+        structlog.get_logger().bind(actor="system").exception("engine_crashed")
+        raise
     finally:
         _fail_live(clients, "the engine stopped before the request finished")
         front.close()

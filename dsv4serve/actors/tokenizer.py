@@ -116,7 +116,7 @@ class _Tokenizer:
                 assert msg.prompt is not None
                 ids = tuple(await trio.to_thread.run_sync(self.encode, msg.prompt))
             stops = StopMatcher(msg.stop)
-        except ValueError as exc:  # TokenizerError and friends: a bad prompt or stop list
+        except (ValueError, TypeError) as exc:  # TokenizerError, or text the tokenizer rejects
             await self.fail(msg.rid, "invalid_request", str(exc))
             return
         if len(ids) + msg.max_tokens > self.max_model_len:

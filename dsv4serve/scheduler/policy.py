@@ -13,6 +13,10 @@ Policy, in a few lines:
   memory), the latest-arriving idle RUNNING request is preempted (never the oldest one holding
   memory; possibly the refused one itself). A preempted request keeps its tokens and later recomputes
   prompt + output as one prefill, sampling only at its end.
+- After a refusal, short-of-memory requests wait until memory may have changed: a release (finish
+  or preemption) since the refused step was planned, or no step in flight (then a refusal always
+  ends in a preemption or an "error"); admissions wait for a finish (a preemption's room is for the
+  running) or no step in flight. Retrying sooner spins scheduler and allocator on refusals.
 - A request refused while nobody else held memory can never fit: it ends with "error".
 - Cancel/stop of a request in an in-flight step waits for that step (its memory is in use).
 
@@ -55,7 +59,7 @@ class _Planned:
 @dataclass(slots=True)
 class _Step:
     items: dict[str, _Planned]  # the items not refused (so far)
-    num_releases: int  # the core's release count when it was planned
+    full_at: tuple[int, int]  # the core's (releases, finishes) when it was planned
 
 
 class SchedulerCore:
@@ -81,6 +85,8 @@ class SchedulerCore:
         self._inflight: dict[int, _Step] = {}
         self._num_arrivals = 0
         self._num_releases = 0  # requests that gave memory back (finished or preempted)
+        self._num_finishes = 0  # of those, the finished ones
+        self._full_at = (-1, -1)  # (releases, finishes) when memory was last seen full
         self._next_step = 0
 
     # ------------------------------------------------------------------ introspection
@@ -136,12 +142,17 @@ class SchedulerCore:
             return None
         budget = self.max_num_batched_tokens
         planned: list[_Planned] = []
+        idle = not self._inflight
+        may_have_room = idle or self._num_releases > self._full_at[0]
+        may_admit = idle or self._num_finishes > self._full_at[1]  # a preemption's room is not for newcomers
         for req in self._idle_running():
             if budget == 0:
                 break
+            if req.short_of_memory and not may_have_room:
+                continue
             planned.append(_Planned(req.next_item(budget), admitted=False))
             budget -= len(planned[-1].item.token_ids)
-        while budget > 0 and self._waiting and self._may_admit():
+        while budget > 0 and self._waiting and may_admit and self._may_admit():
             req = self._waiting.pop(0)
             planned.append(_Planned(req.next_item(budget), admitted=True))
             budget -= len(planned[-1].item.token_ids)
@@ -154,13 +165,7 @@ class SchedulerCore:
         """The allocator refused these items of `step`: they did not run and are rolled back.
         A step whose items are all refused is retired here (an empty StepDone for it is ignored)."""
         record = self._inflight[step]
-        rid_set = set(rids)
-        assert rid_set <= record.items.keys(), (step, rid_set)
-        refused = [p for rid, p in record.items.items() if rid in rid_set]  # in plan order
-        for p in refused:
-            del record.items[p.item.rid]
-        if not record.items:
-            del self._inflight[step]
+        refused = self._take_refused(step, record, set(rids))
         finished: list[Finished] = []
         needy: list[Request] = []
         for p in refused:
@@ -169,9 +174,11 @@ class SchedulerCore:
                 finished.append(self._finish(req, req.pending_end))
             elif p is refused[0] and self._was_alone(req, step, record):
                 finished.append(self._finish(req, "error", message=UNSERVABLE))
-            elif not p.admitted:
-                req.short_of_memory = True
-                needy.append(req)
+            else:
+                self._full_at = max(self._full_at, record.full_at)
+                if not p.admitted:
+                    req.short_of_memory = True
+                    needy.append(req)
         # An older in-flight step was granted something and frees memory as it ends; a newer one may
         # be refused too, so waiting for it could livelock.
         older_inflight = any(s < step for s in self._inflight)
@@ -233,7 +240,8 @@ class SchedulerCore:
         self._next_step += 1
         for p in planned:
             self._requests[p.item.rid].inflight_step = step
-        self._inflight[step] = _Step({p.item.rid: p for p in planned}, self._num_releases)
+        counts = (self._num_releases, self._num_finishes)
+        self._inflight[step] = _Step({p.item.rid: p for p in planned}, counts)
         return StepPlan(step=step, items=tuple(p.item for p in planned))
 
     def _roll_back(self, p: _Planned) -> Request:
@@ -244,11 +252,21 @@ class SchedulerCore:
             self._enqueue(req)
         return req
 
+    def _take_refused(self, step: int, record: _Step, rids: set[str]) -> list[_Planned]:
+        """Remove the refused items from the step (retired if none is left), in plan order."""
+        assert rids <= record.items.keys(), (step, rids)
+        refused = [p for rid, p in record.items.items() if rid in rids]
+        for p in refused:
+            del record.items[p.item.rid]
+        if not record.items:
+            del self._inflight[step]
+        return refused
+
     def _was_alone(self, req: Request, step: int, record: _Step) -> bool:
         """Whether nobody else held memory when the allocator refused `req`, the first refused item
         of `step`. Refusals come in step order, so a RUNNING request admitted before `step` held
         memory then; one that released memory since may have held it too (then: unsure, retry)."""
-        if self._num_releases != record.num_releases or any(r != req.rid for r in record.items):
+        if self._num_releases != record.full_at[0] or any(r != req.rid for r in record.items):
             return False
         return not any(r is not req and r.admitted_step < step for r in self._running.values())
 
@@ -303,6 +321,7 @@ class SchedulerCore:
         if holds_memory:
             del self._running[req.rid]
             self._num_releases += 1
+            self._num_finishes += 1
         else:
             self._waiting.remove(req)
         del self._requests[req.rid]
