@@ -17,11 +17,9 @@ from types import TracebackType
 from typing import Any, TypeAlias, TypeGuard, TypeVar
 
 import trio
-from transformers import PreTrainedTokenizerFast
 
-from dsv4serve import protocol
+from dsv4serve import logs, protocol
 from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
-from dsv4serve.actors.tokenizer_core import encode_prompt, load_tokenizer
 from dsv4serve.config import EngineConfig
 from dsv4serve.protocol import FinishReason, RequestError, StatsEvent, TokenEvent
 
@@ -145,10 +143,28 @@ def _submit(rid: str, prompt: Prompt, params: SamplingParams, stream: bool) -> p
         stop_token_ids=tuple(params.stop_token_ids),
         stream=stream,
         sampling=spec,
+        echo_prompt=True,
     )
 
 
 # ---------------------------------------------------------------- async engine
+
+
+def _completion(event: protocol.Event) -> Completion:
+    match event:
+        case protocol.DoneEvent():
+            assert event.prompt_token_ids is not None, "every Submit asks for them"
+            return Completion(
+                token_ids=event.token_ids,
+                text=event.text,
+                finish_reason=event.finish_reason,
+                prompt_token_ids=event.prompt_token_ids,
+                logprobs=event.logprobs,
+            )
+        case protocol.ErrorEvent():
+            raise RequestError(event.code, event.message, event.id)
+        case _:
+            raise AssertionError(f"unexpected event {event!r}")
 
 
 def system_options(model: str | Path, engine: EngineConfig) -> SystemOptions:
@@ -196,10 +212,9 @@ class AsyncEngine:
         knobs |= {"page_size": page_size, "state_mode": state_mode}
         knobs |= {} if seed is None else {"seed": seed}  # None: EngineConfig's default seed
         self.options = system_options(model, EngineConfig(**knobs))
+        logs.configure_default()
         self._stack: AsyncExitStack | None = None
         self._handle: EngineHandle | None = None
-        self._tokenizer: PreTrainedTokenizerFast | None = None
-        self._tokenizer_limiter: trio.CapacityLimiter | None = None
         self._num_requests = 0
 
     async def __aenter__(self) -> AsyncEngine:
@@ -212,7 +227,6 @@ class AsyncEngine:
                 if len(group.exceptions) != 1:
                     raise
                 raise group.exceptions[0] from None
-            self._tokenizer_limiter = trio.CapacityLimiter(1)
             self._stack = stack.pop_all()
         return self
 
@@ -247,7 +261,7 @@ class AsyncEngine:
         try:
             async with trio.open_nursery() as nursery:
                 for i, (_, events) in enumerate(opened):
-                    nursery.start_soon(self._collect, items[i], events, results, i, nursery.cancel_scope)
+                    nursery.start_soon(self._collect, events, results, i, nursery.cancel_scope)
         finally:
             for (rid, events), result in zip(opened, results, strict=True):
                 events.close()
@@ -271,7 +285,7 @@ class AsyncEngine:
                     yield event
                     continue
                 finished = True
-                yield await self._completion(item, event)
+                yield _completion(event)
                 return
         finally:
             events.close()
@@ -303,7 +317,6 @@ class AsyncEngine:
 
     async def _collect(
         self,
-        prompt: Prompt,
         events: trio.MemoryReceiveChannel[protocol.Event],
         results: list[Completion | RequestError | None],
         index: int,
@@ -313,40 +326,11 @@ class AsyncEngine:
             if isinstance(event, TokenEvent):
                 continue
             try:
-                results[index] = await self._completion(prompt, event)
+                results[index] = _completion(event)
             except RequestError as err:
                 results[index] = err
                 scope.cancel()
             return
-
-    async def _completion(self, prompt: Prompt, event: protocol.Event) -> Completion:
-        match event:
-            case protocol.DoneEvent():
-                prompt_ids = await self._prompt_ids(prompt)
-                assert len(prompt_ids) == event.usage.prompt_tokens, "the ids the model saw"
-                return Completion(
-                    token_ids=event.token_ids,
-                    text=event.text,
-                    finish_reason=event.finish_reason,
-                    prompt_token_ids=prompt_ids,
-                    logprobs=event.logprobs,
-                )
-            case protocol.ErrorEvent():
-                raise RequestError(event.code, event.message, event.id)
-            case _:
-                raise AssertionError(f"unexpected event {event!r}")
-
-    async def _prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
-        # TODO(contract): take these from the system once DoneEvent (or a hook) carries them.
-        if not isinstance(prompt, str):
-            return tuple(prompt)
-        limiter = self._tokenizer_limiter
-        assert limiter is not None, "set in __aenter__"
-        async with limiter:  # one tokenizer call at a time: HF fast tokenizers are not re-entrant
-            if self._tokenizer is None:
-                self._tokenizer = await trio.to_thread.run_sync(load_tokenizer, self.options.model_dir)
-            ids = await trio.to_thread.run_sync(encode_prompt, self._tokenizer, prompt)
-        return tuple(ids)
 
 
 # ---------------------------------------------------------------- sync engine

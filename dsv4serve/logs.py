@@ -31,3 +31,9 @@ def configure(level: str = "info", stream: TextIO | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=stream if stream is not None else sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def configure_default() -> None:
+    """For embedders who configured nothing: warnings and errors as JSON on stderr, never stdout."""
+    if not structlog.is_configured():
+        configure("warning")

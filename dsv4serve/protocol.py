@@ -156,6 +156,7 @@ class DoneEvent(_Event, frozen=True, tag="done"):
     usage: Usage
     timing: Timing
     logprobs: tuple[float, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # only when the Submit asked (echo_prompt)
 
 
 class ErrorEvent(_Event, frozen=True, tag="error"):
@@ -171,6 +172,7 @@ class StatsEvent(_Event, frozen=True, tag="stats"):
     tokens_per_s: float
     num_steps: int = 0
     num_finished: int = 0
+    num_preemptions: int = 0
     uptime_s: float = 0.0
 
 
@@ -350,6 +352,7 @@ class Submit(_Msg, frozen=True, tag="submit"):
     stop_token_ids: tuple[int, ...] = ()
     stream: bool = False
     sampling: SamplingSpec = SamplingSpec()
+    echo_prompt: bool = False  # put the prompt's token ids in the DoneEvent (the embedded API wants them)
 
 
 class Detokenize(_Msg, frozen=True, tag="detokenize"):

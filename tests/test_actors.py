@@ -121,10 +121,11 @@ async def running(
 
 
 def submit(
-    handle: EngineHandle, rid: str, prompt: str = "abc", max_tokens: int = 4, **kw: object
+    handle: EngineHandle, rid: str, prompt: str | None = "abc", max_tokens: int = 4, **kw: object
 ) -> trio.MemoryReceiveChannel[Event]:
     send, recv = trio.open_memory_channel[Event](1000)
-    req = Submit(rid=rid, prompt=prompt, prompt_token_ids=None, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    kw.setdefault("prompt_token_ids", None)
+    req = Submit(rid=rid, prompt=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
     handle.submit(req, send)
     return recv
 
@@ -388,7 +389,8 @@ async def test_preemption_under_memory_pressure(autojump_clock: object) -> None:
     tight = ENGINE.with_(max_total_tokens=128, max_num_batched_tokens=16)  # 8 pages of 16 tokens
     device = FakeDevice()
     async with running(device, tight) as handle:
-        chans = [submit(handle, f"r{i}", "abcdefghijklmnopqrst", max_tokens=30) for i in range(4)]
+        ids = tuple(letters("abcdefghijklmnopqrst"))  # token ids, so no tokenizer thread races the clock
+        chans = [submit(handle, f"r{i}", None, max_tokens=30, prompt_token_ids=ids) for i in range(4)]
         ends = [(await events_of(recv))[-1] for recv in chans]
         stats = handle.stats()
     expected = "".join(chr(ord("a") + (20 + i) % 26) for i in range(30))

@@ -267,19 +267,32 @@ def test_no_preemption_while_an_older_step_is_in_flight() -> None:
 
 
 def test_refused_requests_wait_for_memory_to_change_instead_of_spinning() -> None:
-    s = core(max_num_batched_tokens=100)
+    s = core(max_num_batched_tokens=2)
     run_to_decode(s, "a")
-    p1 = next_plan(s)
+    s.add("x", [1, 1, 1, 1], max_tokens=9)
+    p1 = next_plan(s)  # full: a decode plus x's first chunk
     s.add("b", [1], max_tokens=9)
     s.on_step_done(next_plan(s).step, [SampledToken(rid="b", token_id=5)])
-    p3 = next_plan(s)
+    p3 = next_plan(s)  # the step in flight is full, so b's decode need not wait for it
     s.add("c", [1], max_tokens=9)
-    assert shape(p1) == [("a", 2, 1, True)] and shape(p3) == [("b", 1, 1, True)]
+    assert shape(p1) == [("a", 2, 1, True), ("x", 0, 1, False)] and shape(p3) == [("b", 1, 1, True)]
     assert s.on_refused(p3.step, ["b"]) == RefuseOutcome()  # step 1 is older: wait for it
     assert s.plan() is None  # "b" and "c" would only be refused again while step 1 runs
     s.on_step_done(p1.step, outputs_for(p1))
     # nothing in flight: retry; "c" waits until "b" got memory (a newcomer would take it)
     assert shape(s.plan()) == [("a", 3, 1, True), ("b", 1, 1, True)]
+
+
+def test_decodes_wait_for_a_step_with_room_instead_of_splitting_the_batch() -> None:
+    s = core(max_num_batched_tokens=100)
+    run_to_decode(s, "a")
+    p1 = next_plan(s)  # a's decode, with budget to spare
+    s.add("b", [1], max_tokens=9)
+    p2 = next_plan(s)  # prefill work may still overlap with step 1
+    s.on_step_done(p2.step, outputs_for(p2))
+    assert s.plan() is None  # b's decode waits for step 1 rather than forming a batch of its own
+    s.on_step_done(p1.step, outputs_for(p1))
+    assert [item.rid for item in next_plan(s).items] == ["a", "b"]
 
 
 def test_newer_steps_in_flight_do_not_block_preemption() -> None:

@@ -49,6 +49,7 @@ class SchedulerGauges:
     waiting: int = 0
     num_steps: int = 0
     num_finished: int = 0
+    num_preemptions: int = 0
     num_generated: int = 0
     _recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) per step
 
@@ -81,6 +82,7 @@ class _Scheduler:
     async def refused(self, msg: AllocRefused) -> None:
         outcome = self.core.on_refused(msg.step, [r.rid for r in msg.refusals])
         for rid in outcome.preempted:
+            self.gauges.num_preemptions += 1
             await self.allocator.send(Free(rid=rid, reason="preempted"))
         await self.report((), outcome.finished, {})
 

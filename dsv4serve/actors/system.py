@@ -169,6 +169,7 @@ class EngineHandle:
             tokens_per_s=gauges.tokens_per_s(now, uptime),
             num_steps=gauges.num_steps,
             num_finished=gauges.num_finished,
+            num_preemptions=gauges.num_preemptions,
             uptime_s=uptime,
         )
 

@@ -86,7 +86,8 @@ class Clients:
 
 @dataclass(eq=False, slots=True)
 class _Output:
-    prompt_len: int
+    prompt_ids: tuple[int, ...]
+    echo_prompt: bool
     stream: bool
     want_logprobs: bool
     detok: IncrementalDetokenizer
@@ -124,7 +125,7 @@ class _Tokenizer:
             await self.fail(msg.rid, "context_too_long", f"{why} ({self.max_model_len})")
             return
         detok = IncrementalDetokenizer(self.decoder, ids)
-        self.outputs[msg.rid] = _Output(len(ids), msg.stream, msg.sampling.logprobs, detok, stops)
+        self.outputs[msg.rid] = _Output(ids, msg.echo_prompt, msg.stream, msg.sampling.logprobs, detok, stops)
         tokenized = Tokenized(
             rid=msg.rid,
             prompt_token_ids=ids,
@@ -166,12 +167,12 @@ class _Tokenizer:
         now = trio.current_time()
         total_ms = (now - client.arrival) * 1e3
         ttft_ms = ((out.first_token_at or now) - client.arrival) * 1e3
-        usage = Usage(prompt_tokens=out.prompt_len, completion_tokens=len(out.token_ids))
+        usage = Usage(prompt_tokens=len(out.prompt_ids), completion_tokens=len(out.token_ids))
         self.log.info(
             "request",
             rid=rid,
             finish_reason=reason,
-            prompt_tokens=out.prompt_len,
+            prompt_tokens=len(out.prompt_ids),
             completion_tokens=usage.completion_tokens,
             ttft_ms=round(ttft_ms, 3),
             total_ms=round(total_ms, 3),
@@ -185,6 +186,7 @@ class _Tokenizer:
             usage=usage,
             timing=Timing(ttft_ms=ttft_ms, total_ms=total_ms),
             logprobs=tuple(out.logprobs) if out.want_logprobs else None,
+            prompt_token_ids=out.prompt_ids if out.echo_prompt else None,
         )
         await self.emit(rid, event, client)
 

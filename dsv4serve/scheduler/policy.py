@@ -2,7 +2,10 @@
 
 Policy, in a few lines:
 - A step is planned only while fewer than `max_inflight_steps` are in flight, and only from requests
-  in no in-flight step (a request's next input comes from its previous step).
+  in no in-flight step (a request's next input comes from its previous step). While a step that
+  had budget to spare is in flight, a new step takes prefill work only: decodes wait for it and then
+  run together (else the decode batch splits into groups that never merge again); when the
+  in-flight steps are full, the budget splits the decodes anyway and they go at once.
 - Under the token budget: every decode-ready RUNNING request (1 token), then the next chunk of each
   RUNNING prefill, then WAITING requests are admitted (preempted first, then by arrival) while fewer
   than `max_num_seqs` run and no running request is short of memory (else newcomers could take the
@@ -60,6 +63,7 @@ class _Planned:
 class _Step:
     items: dict[str, _Planned]  # the items not refused (so far)
     full_at: tuple[int, int]  # the core's (releases, finishes) when it was planned
+    had_room: bool  # planned with token budget left over
 
 
 class SchedulerCore:
@@ -143,12 +147,15 @@ class SchedulerCore:
         budget = self.max_num_batched_tokens
         planned: list[_Planned] = []
         idle = not self._inflight
+        hold_decodes = any(step.had_room for step in self._inflight.values())
         may_have_room = idle or self._num_releases > self._full_at[0]
         may_admit = idle or self._num_finishes > self._full_at[1]  # a preemption's room is not for newcomers
         for req in self._idle_running():
             if budget == 0:
                 break
             if req.short_of_memory and not may_have_room:
+                continue
+            if hold_decodes and req.num_uncomputed == 1:  # a decode joins the next batch, see above
                 continue
             planned.append(_Planned(req.next_item(budget), admitted=False))
             budget -= len(planned[-1].item.token_ids)
@@ -241,7 +248,10 @@ class SchedulerCore:
         for p in planned:
             self._requests[p.item.rid].inflight_step = step
         counts = (self._num_releases, self._num_finishes)
-        self._inflight[step] = _Step({p.item.rid: p for p in planned}, counts)
+        used = sum(len(p.item.token_ids) for p in planned)
+        self._inflight[step] = _Step(
+            {p.item.rid: p for p in planned}, counts, used < self.max_num_batched_tokens
+        )
         return StepPlan(step=step, items=tuple(p.item for p in planned))
 
     def _roll_back(self, p: _Planned) -> Request:
