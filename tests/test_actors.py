@@ -14,6 +14,7 @@ import pytest
 import structlog
 import trio
 import trio.testing
+from event_helpers import events_of
 
 from dsv4serve import logs
 from dsv4serve.actors.executor import run_executor
@@ -128,16 +129,6 @@ def submit(
     req = Submit(rid=rid, prompt=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
     handle.submit(req, send)
     return recv
-
-
-async def events_of(recv: trio.MemoryReceiveChannel[Event]) -> list[Event]:
-    """Every event up to and including the terminal one."""
-    out: list[Event] = []
-    async for event in recv:
-        out.append(event)
-        if isinstance(event, DoneEvent | ErrorEvent):
-            return out
-    raise AssertionError(f"no terminal event: {out}")
 
 
 def assert_free(handle: EngineHandle) -> None:

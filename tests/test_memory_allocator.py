@@ -3,38 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
+from memory_fixtures import TINY, P, tiny_engine, tiny_model_dict
 
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.memory import KVAllocator, PoolSizes, PoolUsage, Refusal, keep_start, ring_slots
 from dsv4serve.protocol import CacheLocs
 
 FLASH_CONFIG = Path(__file__).resolve().parents[2] / "shared/fixtures/configs/deepseek_v4_flash.config.json"
-TINY_RAW: dict[str, Any] = {
-    "num_hidden_layers": 4,
-    "compress_ratios": [0, 4, 16, 4],
-    "hidden_size": 32,
-    "num_attention_heads": 2,
-    "head_dim": 32,
-    "qk_rope_head_dim": 8,
-    "q_lora_rank": 16,
-    "o_groups": 2,
-    "o_lora_rank": 16,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "index_n_heads": 2,
-    "index_head_dim": 16,
-    "index_topk": 4,
-    "sliding_window": 8,
-    "vocab_size": 100,
-    "max_position_embeddings": 512,
-}
-TINY = ModelConfig.from_dict(TINY_RAW)
-P = 4
-ENGINE = EngineConfig(page_size=P, max_num_seqs=4, max_total_tokens=256, max_num_batched_tokens=64)
+ENGINE = tiny_engine(max_num_seqs=4, max_total_tokens=256)
 
 
 def granted(out: CacheLocs | Refusal) -> CacheLocs:
@@ -185,7 +163,7 @@ def test_pool_sizes_for_the_tiny_engine() -> None:
 
 
 def test_pools_for_missing_ratios_stay_empty() -> None:
-    model = ModelConfig.from_dict({**TINY_RAW, "compress_ratios": [0, 0, 16, 16]})
+    model = ModelConfig.from_dict({**tiny_model_dict(), "compress_ratios": [0, 0, 16, 16]})
     for mode in ("paged", "ring"):
         alloc = KVAllocator(model, ENGINE.with_(state_mode=mode))
         locs = granted(alloc.allocate("a", 0, 40, 0))

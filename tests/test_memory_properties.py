@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from memory_fixtures import TINY
 
-from dsv4serve.config import EngineConfig, ModelConfig, ring_size
+from dsv4serve.config import EngineConfig, ring_size
 from dsv4serve.memory import (
     POOL_NAMES,
     KVAllocator,
@@ -26,28 +27,6 @@ from dsv4serve.memory import (
 )
 from dsv4serve.protocol import CacheLocs
 
-TINY = ModelConfig.from_dict(
-    {
-        "num_hidden_layers": 4,
-        "compress_ratios": [0, 4, 16, 4],
-        "hidden_size": 32,
-        "num_attention_heads": 2,
-        "head_dim": 32,
-        "qk_rope_head_dim": 8,
-        "q_lora_rank": 16,
-        "o_groups": 2,
-        "o_lora_rank": 16,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "index_n_heads": 2,
-        "index_head_dim": 16,
-        "index_topk": 4,
-        "sliding_window": 8,
-        "vocab_size": 100,
-        "max_position_embeddings": 512,
-    }
-)
 R = TINY.hca_ratio  # 16
 W = TINY.sliding_window
 MAX_LEN = 256

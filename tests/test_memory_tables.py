@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from memory_fixtures import TINY, P, tiny_engine
 
-from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.memory import (
     POOL_NAMES,
     KVAllocator,
@@ -21,30 +21,7 @@ from dsv4serve.memory import (
 )
 from dsv4serve.protocol import CacheLocs, pack_slots
 
-TINY = ModelConfig.from_dict(
-    {
-        "num_hidden_layers": 4,
-        "compress_ratios": [0, 4, 16, 4],
-        "hidden_size": 32,
-        "num_attention_heads": 2,
-        "head_dim": 32,
-        "qk_rope_head_dim": 8,
-        "q_lora_rank": 16,
-        "o_groups": 2,
-        "o_lora_rank": 16,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "index_n_heads": 2,
-        "index_head_dim": 16,
-        "index_topk": 4,
-        "sliding_window": 8,
-        "vocab_size": 100,
-        "max_position_embeddings": 512,
-    }
-)
-P = 4
-ENGINE = EngineConfig(page_size=P, max_num_seqs=3, max_total_tokens=200, max_num_batched_tokens=64)
+ENGINE = tiny_engine(max_num_seqs=3, max_total_tokens=200)
 
 
 def test_table_shapes_and_zero_init() -> None:

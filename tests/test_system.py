@@ -11,6 +11,7 @@ import pytest
 import torch
 import trio
 import trio.testing
+from event_helpers import events_of
 
 from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
 from dsv4serve.config import EngineConfig
@@ -51,16 +52,6 @@ def submit(handle: EngineHandle, rid: str, **kw: object) -> trio.MemoryReceiveCh
     return recv
 
 
-async def events_of(recv: trio.MemoryReceiveChannel[Event]) -> list[Event]:
-    out: list[Event] = []
-    with trio.fail_after(60):
-        async for event in recv:
-            out.append(event)
-            if isinstance(event, DoneEvent | ErrorEvent):
-                return out
-    raise AssertionError(f"no terminal event: {out}")
-
-
 def assert_all_free(handle: EngineHandle) -> None:
     usage = handle.pool_usage()
     assert usage and all(used == 0 for used, _ in usage.values()), usage
@@ -79,8 +70,8 @@ async def test_requests_end_to_end(tiny_dir: Path) -> None:
             ),
             "one": submit(handle, "one", prompt_token_ids=(0, 7), max_tokens=1),
         }
-        results = {rid: await events_of(recv) for rid, recv in chans.items()}
-        alone = (await events_of(submit(handle, "alone", prompt_token_ids=tuple(ids))))[-1]
+        results = {rid: await events_of(recv, timeout_s=60) for rid, recv in chans.items()}
+        alone = (await events_of(submit(handle, "alone", prompt_token_ids=tuple(ids)), timeout_s=60))[-1]
         await trio.testing.wait_all_tasks_blocked()  # the last Free has reached the allocator
         assert_all_free(handle)
         stats = handle.stats()
@@ -117,17 +108,19 @@ async def test_cancel_duplicate_and_context_errors(tiny_dir: Path) -> None:
             submit(handle, "long", prompt_token_ids=(0, 1))
         assert err.value.code == "duplicate_id"
         assert handle.cancel("long")
-        done = (await events_of(long))[-1]
+        done = (await events_of(long, timeout_s=60))[-1]
         assert isinstance(done, DoneEvent) and done.finish_reason == "cancelled"
         assert 2 <= done.usage.completion_tokens < 80
         too_long = submit(handle, "too-long", prompt_token_ids=tuple(range(1, 92)), max_tokens=6)
-        error = (await events_of(too_long))[-1]
+        error = (await events_of(too_long, timeout_s=60))[-1]
         assert isinstance(error, ErrorEvent) and error.code == "context_too_long" and error.id == "too-long"
-        ok = (await events_of(other))[-1]
+        ok = (await events_of(other, timeout_s=60))[-1]
         assert isinstance(ok, DoneEvent) and ok.finish_reason in ("length", "stop")
         await trio.testing.wait_all_tasks_blocked()
         assert_all_free(handle)
         # the id is free again once its request ended
-        again = (await events_of(submit(handle, "long", prompt_token_ids=(0, 11), max_tokens=2)))[-1]
+        again = (
+            await events_of(submit(handle, "long", prompt_token_ids=(0, 11), max_tokens=2), timeout_s=60)
+        )[-1]
         assert isinstance(again, DoneEvent)
     assert_all_free(handle)

@@ -18,6 +18,7 @@ from dsv4serve.attention.dsv4 import AttentionCache, AttentionWeights, IndexerWe
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.config import ModelConfig
+from dsv4serve.memory.pools import flat
 from dsv4serve.moe.experts import swiglu
 from dsv4serve.moe.routing import route
 
@@ -216,31 +217,21 @@ class DeepseekV4:
 
 
 def _layer_cache(pools: KVPools, tables: SlotTables, i: int, ratio: int) -> AttentionCache:
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.view(-1, t.shape[-1])
+    """Layer i's views of the pools (flat: one row per slot) and the tables that address them."""
+
+    def cache(state: torch.Tensor, out: torch.Tensor, pool: str) -> CompressorCache:
+        return CompressorCache(
+            flat(state),
+            tables.table(f"{pool}_state"),
+            pools.state_sentinel[f"{pool}_state"],
+            flat(out),
+            tables.table(pool),
+        )
 
     compressed = index = None
     if ratio == 4:
-        compressed = CompressorCache(
-            flat(pools.c4_state[i]),
-            tables.c4_state,
-            pools.state_sentinel["c4_state"],
-            flat(pools.c4[i]),
-            tables.c4,
-        )
-        index = CompressorCache(
-            flat(pools.c4_index_state[i]),
-            tables.c4_state,
-            pools.state_sentinel["c4_state"],
-            flat(pools.c4_index[i]),
-            tables.c4,
-        )
+        compressed = cache(pools.c4_state[i], pools.c4[i], "c4")
+        index = cache(pools.c4_index_state[i], pools.c4_index[i], "c4")  # indexer keys share c4 slots
     elif ratio:
-        compressed = CompressorCache(
-            flat(pools.c128_state[i]),
-            tables.c128_state,
-            pools.state_sentinel["c128_state"],
-            flat(pools.c128[i]),
-            tables.c128,
-        )
+        compressed = cache(pools.c128_state[i], pools.c128[i], "c128")
     return AttentionCache(flat(pools.swa[i]), tables.swa, compressed, index)
