@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from dsv4serve.api import AsyncEngine, Completion, Engine, SamplingParams
+    from dsv4serve.api import AsyncEngine, Engine
+    from dsv4serve.params import Completion, SamplingParams
     from dsv4serve.protocol import RequestError, StatsEvent, TokenEvent
 
 _EXPORTS = MappingProxyType(
     {
         "AsyncEngine": "dsv4serve.api",
-        "Completion": "dsv4serve.api",
+        "Completion": "dsv4serve.params",
         "Engine": "dsv4serve.api",
-        "SamplingParams": "dsv4serve.api",
+        "SamplingParams": "dsv4serve.params",
         "RequestError": "dsv4serve.protocol",
         "StatsEvent": "dsv4serve.protocol",
         "TokenEvent": "dsv4serve.protocol",

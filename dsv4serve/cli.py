@@ -7,26 +7,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any
 
+# demo loads trio and the engine (torch) only in the commands that run one
+from dsv4serve import demo
 from dsv4serve.config import DTYPES, STATE_MODES, ConfigError, EngineConfig, ModelConfig
+from dsv4serve.demo import tiny_checkpoint as tiny_checkpoint  # re-exported: `cli.tiny_checkpoint`
 from dsv4serve.logs import LEVELS
 from dsv4serve.logs import configure as configure_logs
-from dsv4serve.memory.sizing import WEIGHT_FORMATS, SizingPlan, plan
-from dsv4serve.protocol import FinishReason
-
-if TYPE_CHECKING:  # the engine imports torch: load it only in the commands that run one
-    from dsv4serve.api import AsyncEngine, Completion, SamplingParams
-
-FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+from dsv4serve.memory.sizing import WEIGHT_FORMATS, plan
+from dsv4serve.memory.sizing_table import render_plan
+from dsv4serve.params import SamplingParams
 
 EXIT_USAGE = 2
 
@@ -122,70 +118,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_plan(p: SizingPlan) -> str:
-    """The plan as a table whose every figure can be checked by hand (README, "Memory planning")."""
-    e, d, di, r = p.dtype_bytes, p.head_dim, p.index_head_dim, p.hca_ratio
-    n, n4, n128, w, pg = p.num_layers, p.num_c4_layers, p.num_c128_layers, p.sliding_window, p.page_size
-    lines = [
-        f"model: {n} layers, {n4} c4 (CSA), {n128} c128 (HCA, ratio {r}); head_dim {d}, "
-        f"index_head_dim {di}, window {w}; {p.weight_params / 1e9:.1f} B params",
-        f"inputs: kv {p.dtype} ({e} B), page {pg}, max running {p.max_running}, "
-        f"budget {p.hbm_gib:g} GiB, weights {p.weight_format} over {p.num_devices} device(s)",
-        "",
-        _line("bytes per token, all layers", "formula", "bytes"),
-        _line("swa (per SWA slot)", f"{n} x {d} x {e}", p.swa_bytes_per_token),
-        _line("c4 kv (per raw token)", f"{n4} x {d} x {e} / 4", p.c4_bytes_per_token),
-        _line("c4 indexer keys (per raw token)", f"{n4} x {di} x {e} / 4", p.c4_indexer_bytes_per_token),
-        _line("c128 kv (per raw token)", f"{n128} x {d} x {e} / {r}", p.c128_bytes_per_token),
-        _line("token-scaled total", "c4 + indexer + c128", p.kv_bytes_per_token),
-        _line("c4 state (per state slot)", f"{n4} x (4x{d} + 4x{di}) x 4", p.c4_state_bytes_per_slot),
-        _line("c128 state (per state slot)", f"{n128} x 2x{d} x 4", p.c128_state_bytes_per_slot),
-        "",
-        _line("per running request", "slots (formula)", "slots, bytes"),
-        _line("swa", f"(ceil(({w}-1)/{pg}) + 1) x {pg}", p.swa_slots_per_request),
-        _line("c4 state", f"max(2, ceil(1.8x4/{pg}) + 1) x {pg}", p.c4_state_slots_per_request),
-        _line("c128 state", f"max(2, ceil(1.8x{r}/{pg}) + 1) x {pg}", p.c128_state_slots_per_request),
-        _line("bytes", "slots x bytes per slot, summed", p.bytes_per_request),
-        "",
-        _line("memory of one device", "GiB", "bytes"),
-        *(_gib(f"weights: {group}", b) for group, b in p.weight_bytes_by_group),
-        _gib(f"weights ({p.weight_format}), all", p.weight_bytes),
-        _gib(f"weights on this device (/{p.num_devices})", p.weight_bytes_per_device),
-        _gib(f"per-request pools (x {p.max_running})", p.max_running * p.bytes_per_request),
-        _gib("token-scaled pools at full_slots", p.kv_bytes),
-        _gib("total", p.total_bytes),
-        _gib("budget", p.budget_bytes),
-        "",
-        _line("pool", "", "slots"),
-        *(_line(name, "", getattr(p, f"{name}_slots")) for name in POOLS),
-        "",
-        _verdict(p),
-    ]
-    return "\n".join(lines)
-
-
-POOLS = ("full", "swa", "c4", "c128", "c4_state", "c128_state")
-
-
-def _line(label: str, formula: str, value: float | str) -> str:
-    shown = f"{value:,.0f}" if isinstance(value, int | float) else value
-    return f"  {label:<34}{formula:<38}{shown:>16}"
-
-
-def _gib(label: str, value: int) -> str:
-    return _line(label, f"{value / (1 << 30):.2f}", value)
-
-
-def _verdict(p: SizingPlan) -> str:
-    if p.fits:
-        return f"max_total_tokens = {p.full_slots:,} (the full pool)"
-    need = p.fixed_bytes / (1 << 30)
-    return (
-        f"does NOT fit: weights and per-request pools alone need {need:.2f} GiB of {p.hbm_gib:g} GiB; "
-        "raise --hbm-gib or --devices, or lower --max-running"
-    )
-
-
 # --------------------------------------------------------------------------------------- make-tiny
 
 
@@ -274,10 +206,6 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    import trio
-
-    from dsv4serve.api import AsyncEngine, SamplingParams
-
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -290,32 +218,13 @@ def _run_generate(args: argparse.Namespace) -> int:
         return _fail(f"dsv4serve generate: error: {exc}")
     _load_model_config(args.model)
     configure_logs(args.log_level, stream=sys.stderr)
-    engine = AsyncEngine(args.model, **_engine_knobs(args))
-    completion = trio.run(_stream_to_stdout, engine, args.prompt, params)
+    completion = demo.generate(args.model, args.prompt, params, _engine_knobs(args))
     print(file=sys.stdout, flush=True)
     print(f"finish_reason: {completion.finish_reason}", file=sys.stderr)
     return 0
 
 
-async def _stream_to_stdout(engine: AsyncEngine, prompt: str, params: SamplingParams) -> Completion:
-    from dsv4serve.api import Completion
-
-    async with engine:
-        async for event in engine.stream(prompt, params):
-            if isinstance(event, Completion):
-                return event
-            print(event.text, end="", flush=True)
-    raise AssertionError("a stream always ends with its Completion")
-
-
 # -------------------------------------------------------------------------------------------- demo
-
-DEMO_PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Five actors pass messages:",
-    "DeepSeek-V4 compresses its KV cache by",
-)
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -329,72 +238,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    import trio
-
-    from dsv4serve.api import AsyncEngine, SamplingParams
-
-    cache = args.cache_dir or Path(os.environ.get("DSV4SERVE_CACHE") or Path.home() / ".cache" / "dsv4serve")
+    cache = args.cache_dir or demo.default_cache_dir()
     configure_logs(args.log_level, stream=sys.stderr)
-    model_dir, built = tiny_checkpoint(cache, seed=0)
-    print(f"tiny DeepSeek-V4 checkpoint: {model_dir} ({'built' if built else 'cached'})", flush=True)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    engine = AsyncEngine(model_dir, **_engine_knobs(args))
-    print(
-        f"streaming {len(DEMO_PROMPTS)} prompts through the actor system on {args.device} "
-        f"(max_tokens {params.max_tokens}, temperature {params.temperature}); [prompt] + new text:",
-        flush=True,
-    )
-    completions, seconds = trio.run(_demo, engine, params)
-    num_tokens = sum(len(c.token_ids) for c in completions)
-    reasons = ", ".join(f"{r}={sum(c.finish_reason == r for c in completions)}" for r in FINISH_REASONS)
-    print(
-        f"summary: {len(completions)} requests, {num_tokens} tokens in {seconds:.2f} s, "
-        f"{num_tokens / seconds:.1f} tokens/s ({reasons})"
-    )
-    return 0
-
-
-def tiny_checkpoint(cache: Path, seed: int) -> tuple[Path, bool]:
-    """The tiny checkpoint `cache/tiny-seed{seed}`, built on first use; (path, whether it was built)."""
-    from dsv4serve.models.tiny import make_tiny
-
-    target = cache / f"tiny-seed{seed}"
-    if (target / "config.json").is_file():
-        return target, False
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache))
-    make_tiny(staging, seed)
-    try:
-        staging.rename(target)  # atomic: a complete checkpoint or none
-    except OSError:  # another process won the race
-        shutil.rmtree(staging)
-    return target, True
-
-
-async def _demo(engine: AsyncEngine, params: SamplingParams) -> tuple[list[Completion], float]:
-    import trio
-
-    completions: list[Completion] = []
-    async with engine:
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for i, prompt in enumerate(DEMO_PROMPTS):
-                nursery.start_soon(_demo_stream, engine, i, prompt, params, completions)
-        seconds = trio.current_time() - start
-    return completions, seconds
-
-
-async def _demo_stream(
-    engine: AsyncEngine, index: int, prompt: str, params: SamplingParams, out: list[Completion]
-) -> None:
-    from dsv4serve.api import Completion
-
-    async for event in engine.stream(prompt, params):
-        if isinstance(event, Completion):
-            out.append(event)
-            print(f"[{index}] {prompt!r} -> {event.text!r} ({event.finish_reason})", flush=True)
-        else:
-            print(f"[{index}] + {event.text!r}", flush=True)
+    return demo.run(cache, args.max_tokens, args.temperature, _engine_knobs(args))
 
 
 # ---------------------------------------------------------------------------------------- commands
