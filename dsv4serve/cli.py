@@ -238,6 +238,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    try:
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    except ValueError as exc:
+        return _fail(f"dsv4serve demo: error: {exc}")
     cache = args.cache_dir or demo.default_cache_dir()
     configure_logs(args.log_level, stream=sys.stderr)
     return demo.run(cache, args.max_tokens, args.temperature, _engine_knobs(args))
