@@ -15,11 +15,13 @@ import torch
 from dsv4serve.attention import core
 from dsv4serve.attention.hadamard import hadamard_transform
 from dsv4serve.moe.experts import routed_experts_dense, routed_experts_reference
+from dsv4serve.quant import Weight, linear
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
+    linear: Callable[[torch.Tensor, Weight], torch.Tensor]
     sink_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     pool_windows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     indexer_scores: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -29,6 +31,7 @@ class Backend:
 
 REFERENCE = Backend(
     name="reference",
+    linear=linear,
     sink_attention=core.sink_attention,
     pool_windows=core.pool_windows,
     indexer_scores=core.indexer_scores,

@@ -19,6 +19,7 @@ from dsv4serve.attention.core import rms_norm, unweighted_rms_norm
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables, apply_rope
 from dsv4serve.config import ModelConfig
+from dsv4serve.quant import Weight
 
 if TYPE_CHECKING:
     from dsv4serve.backend import Backend
@@ -26,20 +27,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class IndexerWeights:
-    wq_b: torch.Tensor  # (Hi*Di, q_lora)
+    wq_b: Weight  # (Hi*Di, q_lora)
     weights_proj: torch.Tensor  # (Hi, hidden)
     compressor: CompressorWeights
 
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    wq_a: torch.Tensor
+    wq_a: Weight
     q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
+    wq_b: Weight
+    wkv: Weight
     kv_norm: torch.Tensor
     wo_a: torch.Tensor  # (G*o_lora, H*D/G)
-    wo_b: torch.Tensor  # (hidden, G*o_lora)
+    wo_b: Weight  # (hidden, G*o_lora)
     sinks: torch.Tensor  # (H,) fp32
     compressor: CompressorWeights | None
     indexer: IndexerWeights | None
@@ -68,10 +69,10 @@ def attention_forward(
     """x: (T, hidden) -> (T, hidden)."""
     T, H, D, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     cos, sin = rope.lookup(batch.positions, compress=ratio > 0)
-    q_lora = rms_norm(F.linear(x, w.wq_a), w.q_norm, eps)  # (T, q_lora)
-    q = unweighted_rms_norm(F.linear(q_lora, w.wq_b).view(T, H, D), eps)  # (T, H, D)
+    q_lora = rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)  # (T, q_lora)
+    q = unweighted_rms_norm(ops.linear(q_lora, w.wq_b).view(T, H, D), eps)  # (T, H, D)
     q = apply_rope(q, cos, sin)
-    kv = apply_rope(rms_norm(F.linear(x, w.wkv), w.kv_norm, eps), cos, sin)  # (T, D)
+    kv = apply_rope(rms_norm(ops.linear(x, w.wkv), w.kv_norm, eps), cos, sin)  # (T, D)
     rows = batch.rows[batch.token_req]  # (T,)
     cache.swa.index_copy_(0, cache.swa_table[rows, batch.positions].long(), kv.to(cache.swa.dtype))
     keys, visible = _window_keys(cache, rows, batch.positions, cfg.sliding_window)
@@ -88,7 +89,7 @@ def attention_forward(
         visible = torch.cat([visible, cvisible], dim=1)
     out = ops.sink_attention(q, keys.to(q.dtype), visible, w.sinks, D**-0.5)  # (T, H, D)
     out = apply_rope(out, cos, -sin)  # K=V carried rope into the output: rotate it back
-    return _grouped_output(out, w, cfg)
+    return _grouped_output(out, w, cfg, ops)
 
 
 def _window_keys(
@@ -134,7 +135,7 @@ def _indexed_keys(
     count = batch.max_seq_len // 4
     slots, visible = _entry_slots(cache.index.out_table, rows, batch.positions, 4, count)  # (T, J)
     cos, sin = rope.lookup(batch.positions, compress=True)
-    qi = apply_rope(F.linear(q_lora, w.wq_b).view(T, Hi, Di), cos, sin)  # (T, Hi, Di)
+    qi = apply_rope(ops.linear(q_lora, w.wq_b).view(T, Hi, Di), cos, sin)  # (T, Hi, Di)
     head_w = F.linear(x, w.weights_proj).float() * Hi**-0.5  # (T, Hi)
     scores = ops.indexer_scores(qi, cache.index.out[slots], head_w, Di**-0.5)  # (T, J)
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -143,9 +144,9 @@ def _indexed_keys(
     return cache.compressed.out[chosen], visible.gather(1, top)
 
 
-def _grouped_output(out: torch.Tensor, w: AttentionWeights, cfg: ModelConfig) -> torch.Tensor:
+def _grouped_output(out: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, ops: Backend) -> torch.Tensor:
     T, G = out.shape[0], cfg.o_groups
     grouped = out.reshape(T, G, -1)  # (T, G, H*D/G)
     wo_a = w.wo_a.view(G, cfg.o_lora_rank, -1)  # (G, o_lora, H*D/G)
     mixed = torch.einsum("tgi,goi->tgo", grouped, wo_a).reshape(T, G * cfg.o_lora_rank)
-    return F.linear(mixed, w.wo_b)
+    return ops.linear(mixed, w.wo_b)

@@ -21,13 +21,14 @@ from dsv4serve.config import ModelConfig
 from dsv4serve.memory.pools import flat
 from dsv4serve.moe.experts import swiglu
 from dsv4serve.moe.routing import route
+from dsv4serve.quant import Weight
 
 if TYPE_CHECKING:
     from dsv4serve.backend import Backend
     from dsv4serve.memory.pools import KVPools
     from dsv4serve.memory.tables import SlotTables
 
-Weights = dict[str, torch.Tensor]
+Weights = dict[str, Weight]
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,10 @@ class MoEWeights:
     gate: torch.Tensor  # (E, hidden)
     bias: torch.Tensor | None  # (E,) fp32, top-k layers
     tid2eid: torch.Tensor | None  # (vocab, k) int64, hash layers
-    w1: torch.Tensor  # (E, I, hidden)
-    w2: torch.Tensor  # (E, hidden, I)
-    w3: torch.Tensor  # (E, I, hidden)
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # w1, w2, w3
+    w1: Weight  # (E, I, hidden)
+    w2: Weight  # (E, hidden, I)
+    w3: Weight  # (E, I, hidden)
+    shared: tuple[Weight, Weight, Weight] | None  # w1, w2, w3
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,19 @@ class LayerWeights:
     ffn: MoEWeights
 
 
+def _t(w: Weights, name: str) -> torch.Tensor:
+    """A tensor that is never quantized (norms, mHC, sinks, compressor, router, embeddings, head)."""
+    value = w[name]
+    assert isinstance(value, torch.Tensor), f"{name} must stay a plain tensor"
+    return value
+
+
 def _compressor(w: Weights, prefix: str) -> CompressorWeights:
     return CompressorWeights(
-        wkv=w[f"{prefix}.wkv.weight"],
-        wgate=w[f"{prefix}.wgate.weight"],
-        ape=w[f"{prefix}.ape"],
-        norm=w[f"{prefix}.norm.weight"],
+        wkv=_t(w, f"{prefix}.wkv.weight"),
+        wgate=_t(w, f"{prefix}.wgate.weight"),
+        ape=_t(w, f"{prefix}.ape"),
+        norm=_t(w, f"{prefix}.norm.weight"),
     )
 
 
@@ -75,18 +83,18 @@ def _layer(w: Weights, cfg: ModelConfig, i: int) -> LayerWeights:
     if ratio == 4:
         indexer = IndexerWeights(
             wq_b=w[a + "indexer.wq_b.weight"],
-            weights_proj=w[a + "indexer.weights_proj.weight"],
+            weights_proj=_t(w, a + "indexer.weights_proj.weight"),
             compressor=_compressor(w, a + "indexer.compressor"),
         )
     attn = AttentionWeights(
         wq_a=w[a + "wq_a.weight"],
-        q_norm=w[a + "q_norm.weight"],
+        q_norm=_t(w, a + "q_norm.weight"),
         wq_b=w[a + "wq_b.weight"],
         wkv=w[a + "wkv.weight"],
-        kv_norm=w[a + "kv_norm.weight"],
-        wo_a=w[a + "wo_a.weight"],
+        kv_norm=_t(w, a + "kv_norm.weight"),
+        wo_a=_t(w, a + "wo_a.weight"),
         wo_b=w[a + "wo_b.weight"],
-        sinks=w[a + "attn_sink"],
+        sinks=_t(w, a + "attn_sink"),
         compressor=_compressor(w, a + "compressor") if ratio else None,
         indexer=indexer,
     )
@@ -95,9 +103,9 @@ def _layer(w: Weights, cfg: ModelConfig, i: int) -> LayerWeights:
     if cfg.n_shared_experts:
         shared = tuple(w[f"{f}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
     ffn = MoEWeights(
-        gate=w[f + "gate.weight"],
-        bias=w.get(f + "gate.bias"),
-        tid2eid=w.get(f + "gate.tid2eid"),
+        gate=_t(w, f + "gate.weight"),
+        bias=_t(w, f + "gate.bias") if f + "gate.bias" in w else None,
+        tid2eid=_t(w, f + "gate.tid2eid") if f + "gate.tid2eid" in w else None,
         w1=w[f + "experts.w1"],
         w2=w[f + "experts.w2"],
         w3=w[f + "experts.w3"],
@@ -105,10 +113,10 @@ def _layer(w: Weights, cfg: ModelConfig, i: int) -> LayerWeights:
     )
 
     def hc(kind: str) -> HyperConnection:
-        return HyperConnection(w[f"{p}hc_{kind}_fn"], w[f"{p}hc_{kind}_base"], w[f"{p}hc_{kind}_scale"])
+        return HyperConnection(*(_t(w, f"{p}hc_{kind}_{part}") for part in ("fn", "base", "scale")))
 
     return LayerWeights(
-        ratio, w[p + "attn_norm.weight"], w[p + "ffn_norm.weight"], hc("attn"), hc("ffn"), attn, ffn
+        ratio, _t(w, p + "attn_norm.weight"), _t(w, p + "ffn_norm.weight"), hc("attn"), hc("ffn"), attn, ffn
     )
 
 
@@ -150,12 +158,12 @@ class DeepseekV4:
     def __init__(self, cfg: ModelConfig, weights: Weights, rope: RopeTables, ops: Backend) -> None:
         self.cfg, self.rope, self.ops = cfg, rope, ops
         self.embed, self.head, self.norm = (
-            weights["embed.weight"],
-            weights["head.weight"],
-            weights["norm.weight"],
+            _t(weights, "embed.weight"),
+            _t(weights, "head.weight"),
+            _t(weights, "norm.weight"),
         )
         self.hc_head = HyperConnection(
-            weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"]
+            _t(weights, "hc_head_fn"), _t(weights, "hc_head_base"), _t(weights, "hc_head_scale")
         )
         self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
 

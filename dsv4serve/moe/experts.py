@@ -5,23 +5,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4serve.quant import Weight, linear
 
-def swiglu(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float
-) -> torch.Tensor:
+
+def swiglu(x: torch.Tensor, w1: Weight, w2: Weight, w3: Weight, limit: float) -> torch.Tensor:
     """down(silu(min(gate, limit)) * clamp(up, -limit, limit)); gate = x W1, up = x W3."""
-    gate = F.linear(x, w1).clamp(max=limit)
-    up = F.linear(x, w3).clamp(min=-limit, max=limit)
-    return F.linear(F.silu(gate) * up, w2)
+    gate = linear(x, w1).clamp(max=limit)
+    up = linear(x, w3).clamp(min=-limit, max=limit)
+    return linear(F.silu(gate) * up, w2)
 
 
 def routed_experts_reference(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w3: torch.Tensor,
+    w1: Weight,
+    w2: Weight,
+    w3: Weight,
     limit: float,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts, accumulated in expert order.
@@ -44,9 +44,9 @@ def routed_experts_dense(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w3: torch.Tensor,
+    w1: Weight,
+    w2: Weight,
+    w3: Weight,
     limit: float,
 ) -> torch.Tensor:
     """Same result as the reference with fixed shapes and no host syncs (graph-capturable).
@@ -54,10 +54,11 @@ def routed_experts_dense(
     Every expert runs on every token and is weighted by the token's routing weight for it (0 when not
     chosen): E/k times the FLOPs of the gathered form, so meant for small decode batches.
     """
-    gate_of = torch.zeros(x.shape[0], w1.shape[0], dtype=weights.dtype, device=x.device)  # (T, E)
+    num_experts = w1.shape[0]
+    gate_of = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)  # (T, E)
     gate_of.scatter_(1, ids, weights)
     out = torch.zeros_like(x)
-    for e in range(w1.shape[0]):
+    for e in range(num_experts):
         y = swiglu(x, w1[e], w2[e], w3[e], limit) * gate_of[:, e, None]
         out += y.to(out.dtype)
     return out
