@@ -146,7 +146,7 @@ class TokenEvent(_Event, frozen=True, tag="token"):
     text: str
 
 
-class DoneEvent(_Event, frozen=True, tag="done"):
+class DoneEvent(_Event, frozen=True, tag="done", omit_defaults=True):
     """The end of an accepted request: all generated ids and text (stop strings cut off)."""
 
     id: str
