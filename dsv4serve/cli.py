@@ -124,12 +124,19 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, metavar="OUT", help="directory to write the checkpoint into")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    p.add_argument(
+        "--quant",
+        choices=("w8a8",),
+        default=None,
+        help="write an Ascend msModelSlim W8A8_DYNAMIC int8 checkpoint instead of a float one",
+    )
 
 
 def _run_make_tiny(args: argparse.Namespace) -> int:
     from dsv4serve.models.tiny import make_tiny  # torch is heavy: import only when asked
 
-    print(make_tiny(args.out, args.seed))
+    quant = {"quant": args.quant} if args.quant else {}  # the float call stays make_tiny(out, seed)
+    print(make_tiny(args.out, args.seed, **quant))
     return 0
 
 

@@ -9,6 +9,7 @@ the same signature (e.g. torch_npu's quantized matmul).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,10 @@ INT8_SUFFIXES = (
 )
 
 
-def quantize_weights_int8(weights: dict[str, torch.Tensor]) -> dict[str, Weight]:
-    """Quantize the W8A8-eligible projections of a loaded checkpoint at load time."""
-    return {name: quantize_int8(w) if name.endswith(INT8_SUFFIXES) else w for name, w in weights.items()}
+def quantize_weights_int8(weights: Mapping[str, Weight]) -> dict[str, Weight]:
+    """Quantize the W8A8-eligible projections of a loaded checkpoint at load time; weights that are
+    already `Int8Weight` (loaded from an int8 checkpoint) are kept as they are."""
+    return {
+        name: quantize_int8(w) if isinstance(w, torch.Tensor) and name.endswith(INT8_SUFFIXES) else w
+        for name, w in weights.items()
+    }

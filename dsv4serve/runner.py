@@ -49,11 +49,11 @@ class ModelRunner:
         self.sizes = sizes or PoolSizes.for_engine(cfg, engine)
         self.pools = KVPools(cfg, self.sizes, engine)
         self.tables = SlotTables(cfg, engine, self.device)
-        weights: dict[str, Weight] = dict(
-            load_checkpoint(Path(model_dir), cfg, dtype=self.dtype, device=str(self.device))
+        weights: dict[str, Weight] = load_checkpoint(
+            Path(model_dir), cfg, dtype=self.dtype, device=str(self.device)
         )
         if engine.weight_quant == "int8":
-            weights = quantize_weights_int8(weights)  # type: ignore[arg-type]
+            weights = quantize_weights_int8(weights)
         rope = RopeTables.build(cfg, engine.resolved_max_model_len(cfg) + 1, self.device)
         self.model = DeepseekV4(cfg, weights, rope, self.ops)
         self.ratios = cfg.compress_ratio_set

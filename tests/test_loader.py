@@ -260,16 +260,14 @@ def test_mxfp4_experts_raise_not_implemented(
         load_checkpoint(variant(tiny, tmp_path, tensors | packed), model, dtype=torch.float32)
 
 
-def test_int8_w8a8_raises_not_implemented(
+def test_int8_w8a8_outside_msmodelslim_raises_not_implemented(
     tiny: Path, model: ModelConfig, tensors: dict, tmp_path: Path
 ) -> None:
+    """int8 companions without quant_model_description.json (e.g. compressed-tensors); msModelSlim
+    directories load (tests/test_loader_int8.py)."""
     extra = {"layers.0.attn.wq_a.weight_scale": torch.ones(32, 1)}
-    with pytest.raises(NotImplementedError, match=r"W8A8 .*layers\.0\.attn\.wq_a\.weight_scale"):
+    with pytest.raises(NotImplementedError, match=r"W8A8 .*msModelSlim.*layers\.0\.attn\.wq_a\.weight_scale"):
         load_checkpoint(variant(tiny, tmp_path / "a", tensors | extra), model, dtype=torch.float32)
-    src = variant(tiny, tmp_path / "b", tensors)
-    (src / "quant_model_description.json").write_text('{"model_quant_type": "W8A8_DYNAMIC"}')
-    with pytest.raises(NotImplementedError, match="msModelSlim"):
-        load_checkpoint(src, model, dtype=torch.float32)
 
 
 def test_integer_tensor_without_scale_is_refused(

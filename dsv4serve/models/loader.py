@@ -1,4 +1,4 @@
-"""Load a DeepSeek-V4 safetensors checkpoint into a flat dict of tensors under official names.
+"""Load a DeepSeek-V4 safetensors checkpoint into a flat dict of weights under official names.
 
 `load_checkpoint` reads one `model.safetensors`, or the shards listed by `model.safetensors.index.json`
 (or every `*.safetensors` file). Names may carry a `model.` prefix; `mtp.*` tensors are skipped.
@@ -7,6 +7,13 @@ unexpected and mis-shaped tensors raise one `CheckpointError` naming them. Each 
 through the format step (`dequantize_or_keep`, which consumes a `.scale` companion), is cast to its
 storage dtype (`storage_dtype`) and moved to `device`; routed experts are stacked per layer into
 `layers.L.ffn.experts.{w1,w3}` [E, I, H] and `.w2` [E, H, I]. Pickled checkpoints are refused.
+
+An msModelSlim directory (Ascend W8A8, marked by `quant_model_description.json`, tensors in
+`quant_model_weights*.safetensors`, shards listed by `quant_model_weights.safetensors.index.json`)
+names each tensor's quant type. `FLOAT` tensors load as above; `W8A8_DYNAMIC` projections load as
+`Int8Weight` (`int8_weight`, consuming `.weight_scale` / `.weight_offset`; experts stacked to qweight
+[E, out, in] and scale [E, out]); any other type, or int8 on a tensor the model math only takes in
+floating point, is a `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -24,23 +31,33 @@ from dsv4serve.config import ModelConfig
 from dsv4serve.models.weights import (
     DEFAULT_BLOCK,
     INT8_SUFFIXES,
+    MAX_NAMES,
+    QUANT_W8A8_DYNAMIC,
     SCALE_SUFFIX,
+    WEIGHT_OFFSET,
+    WEIGHT_SCALE,
     CheckpointError,
     dequantize_or_keep,
     expected_tensors,
     expert_slot,
+    int8_companions,
+    int8_weight,
+    listed,
     loaded_tensors,
     storage_dtype,
 )
+from dsv4serve.quant import Int8Weight, Weight
 
 __all__ = ["CheckpointError", "expected_tensors", "load_checkpoint", "loaded_tensors"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+DESCRIPTION_FILE = "quant_model_description.json"  # msModelSlim: tensor name -> quant type
+MODELSLIM_INDEX_FILE = "quant_model_weights.safetensors.index.json"
 PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
-MAX_NAMES = 10
 PACKED_FP4_HEADER_DTYPES = ("I8", "U8")
 INT_HEADER_DTYPES = ("I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL")
+FLOAT_HEADER_DTYPES = ("F32", "BF16", "F16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,23 +73,29 @@ class HeaderEntry:
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
     weight: HeaderEntry
-    scale: HeaderEntry | None
+    scale: HeaderEntry | None  # `.scale` (FP8 blocks), or `.weight_scale` (W8A8_DYNAMIC)
+    offset: HeaderEntry | None = None  # `.weight_offset`: set exactly for W8A8_DYNAMIC int8 weights
 
 
 def load_checkpoint(
     model_dir: Path | str, model: ModelConfig, *, dtype: torch.dtype, device: str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """Every weight of `model` by official name (experts stacked), cast by `storage_dtype`, on `device`."""
+) -> dict[str, torch.Tensor | Int8Weight]:
+    """Every weight of `model` by official name (experts stacked), cast by `storage_dtype`, on `device`;
+    W8A8_DYNAMIC projections of an msModelSlim checkpoint as `Int8Weight` (int8 + fp32 scale)."""
     files = checkpoint_files(Path(model_dir))
-    plan = plan_tensors(read_headers(files), model)
+    plan = plan_tensors(read_headers(files), model, read_quant_types(Path(model_dir)))
     block = _block_size(model)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Weight] = {}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in files}
         for name, item in plan.items():
             raw = _read(handles, item.weight)
             scale = _read(handles, item.scale) if item.scale else None
-            value = dequantize_or_keep(name, raw, scale, storage_dtype(name, dtype), block)
+            value: Weight
+            if item.offset is not None and scale is not None:
+                value = int8_weight(name, raw, scale, _read(handles, item.offset))
+            else:
+                value = dequantize_or_keep(name, raw, scale, storage_dtype(name, dtype), block)
             _place(out, name, value, model, device)
     _check_tid2eid(out, model)
     return out
@@ -82,11 +105,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files to read, in order; refuses pickles and incomplete shard sets."""
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
-    if (model_dir / "quant_model_description.json").is_file():
-        raise NotImplementedError(f"{model_dir}: msModelSlim W8A8 int8 checkpoints are not supported yet")
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        return _index_files(index)
+    for index in (model_dir / MODELSLIM_INDEX_FILE, model_dir / INDEX_FILE):
+        if index.is_file():
+            return _index_files(index)
     if (model_dir / SINGLE_FILE).is_file():
         return [model_dir / SINGLE_FILE]
     found = sorted(model_dir.glob("*.safetensors"))
@@ -101,6 +122,21 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no *.safetensors files")
 
 
+def read_quant_types(model_dir: Path) -> dict[str, str] | None:
+    """msModelSlim's tensor name (without `model.`) -> quant type; None without a description file."""
+    path = model_dir / DESCRIPTION_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a valid quant description ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a valid quant description (not a JSON object)")
+    # global keys (model_quant_type, version, metadata, ...) never match a tensor name
+    return {k.removeprefix("model."): v for k, v in data.items() if isinstance(v, str)}
+
+
 def _index_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -109,7 +145,7 @@ def _index_files(index: Path) -> list[Path]:
         raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
-        raise CheckpointError(f"{index}: lists shard files that do not exist: {_names(missing)}")
+        raise CheckpointError(f"{index}: lists shard files that do not exist: {listed(missing)}")
     return [index.parent / n for n in names]
 
 
@@ -134,29 +170,56 @@ def read_headers(files: list[Path]) -> dict[str, HeaderEntry]:
     return out
 
 
-def plan_tensors(headers: dict[str, HeaderEntry], model: ModelConfig) -> dict[str, PlannedTensor]:
-    """Pair each expected tensor with its `.scale`; raise on missing / unexpected / mis-shaped ones."""
+def plan_tensors(
+    headers: dict[str, HeaderEntry], model: ModelConfig, quant_types: dict[str, str] | None = None
+) -> dict[str, PlannedTensor]:
+    """Pair each expected tensor with its `.scale` (or, for msModelSlim W8A8_DYNAMIC ones given
+    `quant_types`, its `.weight_scale` / `.weight_offset`); raise on missing / unexpected / mis-shaped
+    ones, on unsupported quant types and on int8 where the model math takes only floating point."""
     names = {n: e for n, e in headers.items() if not n.startswith("mtp.")}
-    unsupported = sorted(n for n in names if n.endswith(INT8_SUFFIXES))
-    if unsupported:
-        raise NotImplementedError(f"W8A8 int8 tensors are not supported yet: {_names(unsupported)}")
-    scales = {n.removesuffix(SCALE_SUFFIX) + ".weight": n for n in names if n.endswith(SCALE_SUFFIX)}
     expected = expected_tensors(model)
-    present = set(names) - set(scales.values())
+    if quant_types is None:
+        _refuse_int8_companions(names)
+        int8: dict[str, tuple[str, str]] = {}
+    else:
+        int8 = int8_companions(names, quant_types, expected)
+    scales = {n.removesuffix(SCALE_SUFFIX) + ".weight": n for n in names if n.endswith(SCALE_SUFFIX)}
+    present = set(names) - set(scales.values()) - {c for pair in int8.values() for c in pair}
     missing = [n for n in expected if n not in present]
     unexpected = sorted((present - expected.keys()) | {s for w, s in scales.items() if w not in expected})
     if missing:
-        raise CheckpointError(f"checkpoint is missing {len(missing)} tensors: {_names(missing)}")
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensors: {listed(missing)}")
     if unexpected:
-        raise CheckpointError(f"checkpoint has {len(unexpected)} unexpected tensors: {_names(unexpected)}")
-    plan = {n: PlannedTensor(names[n], names[scales[n]] if n in scales else None) for n in expected}
+        raise CheckpointError(f"checkpoint has {len(unexpected)} unexpected tensors: {listed(unexpected)}")
+    plan = {n: _planned(n, names, scales, int8) for n in expected}
     _check_shapes(plan, expected)
     return plan
+
+
+def _planned(
+    name: str, names: dict[str, HeaderEntry], scales: dict[str, str], int8: dict[str, tuple[str, str]]
+) -> PlannedTensor:
+    if name in int8:
+        scale, offset = int8[name]
+        return PlannedTensor(names[name], names[scale], names[offset])
+    return PlannedTensor(names[name], names[scales[name]] if name in scales else None)
+
+
+def _refuse_int8_companions(names: dict[str, HeaderEntry]) -> None:
+    unsupported = sorted(n for n in names if n.endswith(INT8_SUFFIXES))
+    if unsupported:
+        raise NotImplementedError(
+            f"W8A8 int8 tensors outside an msModelSlim checkpoint (no {DESCRIPTION_FILE}) are not "
+            f"supported yet: {listed(unsupported)}"
+        )
 
 
 def _check_shapes(plan: dict[str, PlannedTensor], expected: dict[str, tuple[int, ...]]) -> None:
     bad = []
     for name, item in plan.items():
+        if item.offset is not None:
+            bad += _int8_shape_errors(name, item, expected[name])
+            continue
         if item.scale is not None and item.weight.dtype in PACKED_FP4_HEADER_DTYPES:
             raise NotImplementedError(
                 f"{name}: MXFP4 (int8-packed e2m1 + ue8m0 1x32 scales) is not supported yet"
@@ -166,7 +229,25 @@ def _check_shapes(plan: dict[str, PlannedTensor], expected: dict[str, tuple[int,
         if item.weight.shape != expected[name]:
             bad.append(f"{name} {list(item.weight.shape)} (expected {list(expected[name])})")
     if bad:
-        raise CheckpointError(f"checkpoint has {len(bad)} mis-shaped tensors: {_names(bad)}")
+        raise CheckpointError(f"checkpoint has {len(bad)} mis-shaped tensors: {listed(bad)}")
+
+
+def _int8_shape_errors(name: str, item: PlannedTensor, shape: tuple[int, ...]) -> list[str]:
+    assert item.scale is not None and item.offset is not None
+    if item.weight.dtype != "I8":
+        raise CheckpointError(
+            f"{name}: {QUANT_W8A8_DYNAMIC} weight of dtype {item.weight.dtype}, expected I8"
+        )
+    base, rows = name.removesuffix(".weight"), shape[0]
+    bad = [] if item.weight.shape == shape else [f"{name} {list(item.weight.shape)} (expected {list(shape)})"]
+    for suffix, entry in ((WEIGHT_SCALE, item.scale), (WEIGHT_OFFSET, item.offset)):
+        if entry.dtype not in FLOAT_HEADER_DTYPES:
+            raise CheckpointError(
+                f"{base}{suffix}: dtype {entry.dtype}, expected one of {FLOAT_HEADER_DTYPES}"
+            )
+        if entry.shape not in ((rows,), (rows, 1)):
+            bad.append(f"{base}{suffix} {list(entry.shape)} (expected [{rows}] or [{rows}, 1])")
+    return bad
 
 
 def _read(handles: dict[Path, Any], entry: HeaderEntry) -> torch.Tensor:
@@ -177,23 +258,42 @@ def _read(handles: dict[Path, Any], entry: HeaderEntry) -> torch.Tensor:
         raise CheckpointError(f"{entry.file}: cannot read {entry.key} ({exc})") from None
 
 
-def _place(
-    out: dict[str, torch.Tensor], name: str, value: torch.Tensor, model: ModelConfig, device: str
-) -> None:
+def _place(out: dict[str, Weight], name: str, value: Weight, model: ModelConfig, device: str) -> None:
     slot = expert_slot(name)
     if slot is None:
-        out[name] = value.to(device)
+        out[name] = value.to(device) if isinstance(value, torch.Tensor) else _int8_to(value, device)
         return
     stacked, expert = slot
     if stacked not in out:
-        out[stacked] = torch.empty((model.n_routed_experts, *value.shape), dtype=value.dtype, device=device)
-    out[stacked][expert].copy_(value)
+        out[stacked] = _empty_stack(value, model.n_routed_experts, device)
+    target = out[stacked]
+    if isinstance(value, Int8Weight):
+        assert isinstance(target, Int8Weight)  # experts are uniform (_check_uniform_experts)
+        target.qweight[expert].copy_(value.qweight)
+        target.scale[expert].copy_(value.scale)
+    else:
+        assert isinstance(target, torch.Tensor)
+        target[expert].copy_(value)
 
 
-def _check_tid2eid(out: dict[str, torch.Tensor], model: ModelConfig) -> None:
+def _int8_to(w: Int8Weight, device: str) -> Int8Weight:
+    return Int8Weight(w.qweight.to(device), w.scale.to(device))
+
+
+def _empty_stack(value: Weight, num: int, device: str) -> Weight:
+    if isinstance(value, torch.Tensor):
+        return torch.empty((num, *value.shape), dtype=value.dtype, device=device)  # (E, out, in)
+    return Int8Weight(
+        torch.empty((num, *value.qweight.shape), dtype=torch.int8, device=device),  # (E, out, in)
+        torch.empty((num, *value.scale.shape), dtype=torch.float32, device=device),  # (E, out)
+    )
+
+
+def _check_tid2eid(out: dict[str, Weight], model: ModelConfig) -> None:
     for layer in range(model.num_hash_layers):
         name = f"layers.{layer}.ffn.gate.tid2eid"
         table = out[name]
+        assert isinstance(table, torch.Tensor)
         if table.numel() and (int(table.min()) < 0 or int(table.max()) >= model.n_routed_experts):
             raise CheckpointError(f"{name}: expert ids outside [0, {model.n_routed_experts})")
 
@@ -201,8 +301,3 @@ def _check_tid2eid(out: dict[str, torch.Tensor], model: ModelConfig) -> None:
 def _block_size(model: ModelConfig) -> tuple[int, int]:
     block = (model.quantization or {}).get("weight_block_size", DEFAULT_BLOCK)
     return (int(block[0]), int(block[1]))
-
-
-def _names(names: list[str]) -> str:
-    more = len(names) - MAX_NAMES
-    return ", ".join(names[:MAX_NAMES]) + (f" ... and {more} more" if more > 0 else "")

@@ -4,6 +4,10 @@
 `compress_rates` so that `transformers` accepts a heavily-compressed ratio other than 128),
 `generation_config.json`, the real DeepSeek tokenizer files, and seeded random weights under their
 official names in `model.safetensors` (or `shards` files with `model.safetensors.index.json`).
+With `quant="w8a8"` it writes an Ascend msModelSlim W8A8_DYNAMIC checkpoint of the same weights instead:
+`quant_model_description.json` plus `quant_model_weights.safetensors` (or shards with
+`quant_model_weights.safetensors.index.json`), the int8 projections being `quantize_int8` of the
+float ones (symmetric: zero offsets).
 Scales are chosen so that activations stay O(1) through the layers and every parameter matters
 (non-zero sinks, ape, mHC base, gate bias; random distinct hash-routing experts).
 """
@@ -21,10 +25,22 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4serve.config import ModelConfig
-from dsv4serve.models.weights import expected_tensors
+from dsv4serve.models.weights import (
+    QUANT_FLOAT,
+    QUANT_W8A8_DYNAMIC,
+    WEIGHT_OFFSET,
+    WEIGHT_SCALE,
+    expected_tensors,
+    takes_int8,
+)
+from dsv4serve.quant import quantize_int8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+QUANTS = ("w8a8",)
+# msModelSlim's DeepSeek-V4 W8A8 recipe keeps wo_a / wo_b (and compressors, indexer scoring, router)
+# in floating point; of the projections the model takes as int8 only wo_b is excluded.
+W8A8_FLOAT_SUFFIXES = ("attn.wo_b.weight",)
 
 
 def tiny_config(**overrides: Any) -> dict[str, Any]:
@@ -107,15 +123,24 @@ def _transformers_layer_types(ratios: list[int]) -> tuple[list[str], dict[str, i
 
 
 def make_tiny(
-    out_dir: Path | str, seed: int = 0, *, shards: int = 1, dtype: str = "float32", **overrides: Any
+    out_dir: Path | str,
+    seed: int = 0,
+    *,
+    shards: int = 1,
+    dtype: str = "float32",
+    quant: str | None = None,
+    **overrides: Any,
 ) -> Path:
     """Write a random tiny checkpoint to `out_dir` (created if needed) and return its path.
 
     `dtype` is the on-disk dtype of the bulk weights (mHC, sinks, ape, gate bias stay fp32 and
-    tid2eid int64, as in the official checkpoints); `overrides` are `config.json` keys.
+    tid2eid int64, as in the official checkpoints); `quant="w8a8"` writes the same weights as an
+    msModelSlim W8A8_DYNAMIC checkpoint; `overrides` are `config.json` keys.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {tuple(DTYPES)}")
+    if quant is not None and quant not in QUANTS:
+        raise ValueError(f"quant: {quant!r} is not None or one of {QUANTS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config(**{"torch_dtype": dtype, **overrides})
@@ -123,9 +148,37 @@ def make_tiny(
     tensors = random_weights(model, seed, DTYPES[dtype])
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", _generation_config(model))
-    write_safetensors(tensors, out, shards)
+    if quant is None:
+        write_safetensors(tensors, out, shards)
+    else:
+        quantized, description = w8a8_checkpoint(tensors)
+        _write_json(out / "quant_model_description.json", description)
+        write_safetensors(quantized, out, shards, stem="quant_model_weights")
     copy_tokenizer(out)
     return out
+
+
+def w8a8_checkpoint(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """msModelSlim W8A8_DYNAMIC tensors and `quant_model_description.json` for float `tensors`:
+    each quantized `X.weight` int8 (out, in) with `X.weight_scale` fp32 (out, 1) and zero
+    `X.weight_offset` (out, 1); every other tensor unchanged and described as FLOAT."""
+    out: dict[str, torch.Tensor] = {}
+    description: dict[str, Any] = {
+        "model_quant_type": QUANT_W8A8_DYNAMIC,
+        "version": "1.0.0",
+        "group_size": 0,
+    }
+    for name, tensor in tensors.items():
+        if not takes_int8(name) or name.endswith(W8A8_FLOAT_SUFFIXES):
+            out[name], description[name] = tensor, QUANT_FLOAT
+            continue
+        q = quantize_int8(tensor)
+        scale = q.scale.unsqueeze(1).contiguous()  # (out, 1)
+        base = name.removesuffix(".weight")
+        parts = {name: q.qweight, base + WEIGHT_SCALE: scale, base + WEIGHT_OFFSET: torch.zeros_like(scale)}
+        out |= parts
+        description |= dict.fromkeys(parts, QUANT_W8A8_DYNAMIC)
+    return out, description
 
 
 def random_weights(model: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -169,23 +222,25 @@ def _random_tensor(
     return normal(1.0 / math.sqrt(shape[1]))  # fan-in scaling keeps projections' outputs O(1)
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, shards: int = 1) -> None:
-    """One `model.safetensors`, or `shards` files split by size plus `model.safetensors.index.json`."""
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], out_dir: Path, shards: int = 1, stem: str = "model"
+) -> None:
+    """One `{stem}.safetensors`, or `shards` files split by size plus `{stem}.safetensors.index.json`."""
     if shards < 1:
         raise ValueError(f"shards: must be >= 1, got {shards}")
     meta = {"format": "pt"}
     if shards == 1:
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata=meta)
+        save_file(tensors, str(out_dir / f"{stem}.safetensors"), metadata=meta)
         return
     groups = _split_by_size(tensors, shards)
     weight_map: dict[str, str] = {}
     for i, group in enumerate(groups):
-        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        file = f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file(group, str(out_dir / file), metadata=meta)
         weight_map |= dict.fromkeys(group, file)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(
-        out_dir / "model.safetensors.index.json",
+        out_dir / f"{stem}.safetensors.index.json",
         {"metadata": {"total_size": total}, "weight_map": weight_map},
     )
 

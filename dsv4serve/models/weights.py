@@ -5,18 +5,23 @@ prefix. `expected_tensors` lists what a checkpoint must hold (routed experts one
 `loaded_tensors` lists what `load_checkpoint` returns (routed experts stacked per layer).
 
 The format step (`dequantize_or_keep`) turns one on-disk tensor and its optional `.scale` companion
-into its logical value; model math never sees a quantized format. FP8 e4m3 with 128x128 block scales
-(ue8m0 or fp32) is dequantized here; MXFP4 experts and W8A8 int8 raise `NotImplementedError`.
+into its logical value. FP8 e4m3 with 128x128 block scales (ue8m0 or fp32) is dequantized here;
+MXFP4 experts raise `NotImplementedError`. msModelSlim W8A8_DYNAMIC projections (`int8_weight`) stay
+int8: `X.weight` with its `X.weight_scale` / `X.weight_offset` companions becomes an `Int8Weight`,
+which the model math takes only for the projections `takes_int8` names.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection, Mapping
 
 import torch
 
 from dsv4serve.config import ModelConfig
+from dsv4serve.quant import INT8_SUFFIXES as INT8_PROJECTIONS
+from dsv4serve.quant import Int8Weight
 
 Shape = tuple[int, ...]
 
@@ -31,9 +36,15 @@ INT8_SUFFIXES = (
     ".deq_scale",
     ".quant_bias",
 )
+WEIGHT_SCALE = ".weight_scale"
+WEIGHT_OFFSET = ".weight_offset"
+# msModelSlim quant types (quant_model_description.json) this loader reads
+QUANT_FLOAT = "FLOAT"
+QUANT_W8A8_DYNAMIC = "W8A8_DYNAMIC"
 FP8_DTYPES = (torch.float8_e4m3fn,)
 PACKED_FP4_DTYPES = (torch.int8, torch.uint8)
 DEFAULT_BLOCK = (128, 128)
+MAX_NAMES = 10  # names an error message lists before `... and N more`
 
 
 class CheckpointError(ValueError):
@@ -124,6 +135,12 @@ def expert_slot(name: str) -> tuple[str, int] | None:
     return (f"{m[1]}.{m[3]}", int(m[2])) if m else None
 
 
+def takes_int8(name: str) -> bool:
+    """Whether the model math takes checkpoint tensor `name` (experts one by one) as an `Int8Weight`."""
+    slot = expert_slot(name)
+    return (slot[0] if slot else name).endswith(INT8_PROJECTIONS)
+
+
 def loaded_tensors(model: ModelConfig) -> dict[str, Shape]:
     """Names and shapes `load_checkpoint` returns: experts stacked to [E, I, H] (w1, w3), [E, H, I] (w2)."""
     out: dict[str, Shape] = {}
@@ -191,3 +208,72 @@ def dequantize_or_keep(
             f"{name}: MXFP4 (int8-packed e2m1 + ue8m0 1x32 scales) is not supported yet"
         )
     raise CheckpointError(f"{name}: dtype {tensor.dtype} cannot carry a {SCALE_SUFFIX} companion")
+
+
+def int8_companions(
+    names: Collection[str], quant_types: Mapping[str, str], expected: Mapping[str, Shape]
+) -> dict[str, tuple[str, str]]:
+    """Each W8A8_DYNAMIC weight among `names` (msModelSlim types; absent = FLOAT) -> its
+    (`.weight_scale`, `.weight_offset`) names. Refuses other quant types, int8 on tensors the model
+    takes only in floating point, missing companions, and experts of one layer mixing formats."""
+    typed = {n: quant_types.get(n, QUANT_FLOAT) for n in names}
+    other = [f"{n} ({t})" for n, t in typed.items() if t not in (QUANT_FLOAT, QUANT_W8A8_DYNAMIC)]
+    if other:
+        raise CheckpointError(
+            f"quant types other than {QUANT_W8A8_DYNAMIC} and {QUANT_FLOAT} are not supported: "
+            f"{listed(sorted(other))}"
+        )
+    quantized = [
+        n
+        for n, t in typed.items()
+        if t == QUANT_W8A8_DYNAMIC and not n.endswith((WEIGHT_SCALE, WEIGHT_OFFSET))
+    ]
+    refused = [f"{n} ({QUANT_W8A8_DYNAMIC})" for n in quantized if n in expected and not takes_int8(n)]
+    if refused:
+        raise CheckpointError(
+            f"quantized tensors the model takes only in floating point: {listed(sorted(refused))}"
+        )
+    out: dict[str, tuple[str, str]] = {}
+    for name in quantized:
+        base = name.removesuffix(".weight")
+        pair = (base + WEIGHT_SCALE, base + WEIGHT_OFFSET)
+        absent = [c for c in pair if c not in typed]
+        if absent:
+            raise CheckpointError(f"{name}: {QUANT_W8A8_DYNAMIC} weight without {' and '.join(absent)}")
+        out[name] = pair
+    _check_uniform_experts(out, expected)
+    return out
+
+
+def _check_uniform_experts(int8: Mapping[str, object], expected: Mapping[str, Shape]) -> None:
+    kinds: dict[str, set[bool]] = {}
+    for name in expected:
+        slot = expert_slot(name)
+        if slot is not None:
+            kinds.setdefault(slot[0], set()).add(name in int8)
+    mixed = sorted(stacked for stacked, seen in kinds.items() if len(seen) > 1)
+    if mixed:
+        raise CheckpointError(f"experts mix {QUANT_W8A8_DYNAMIC} and {QUANT_FLOAT}: {listed(mixed)}")
+
+
+def listed(names: list[str]) -> str:
+    """The first MAX_NAMES names, comma-separated, then how many more."""
+    more = len(names) - MAX_NAMES
+    return ", ".join(names[:MAX_NAMES]) + (f" ... and {more} more" if more > 0 else "")
+
+
+def int8_weight(name: str, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int8Weight:
+    """W8A8_DYNAMIC `X.weight` int8 (out, in) with `X.weight_scale` / `X.weight_offset` ([out] or
+    [out, 1]) -> `Int8Weight` with an fp32 (out,) scale. Offsets must be zero (symmetric int8)."""
+    base = name.removesuffix(".weight")
+    if qweight.dtype != torch.int8:
+        raise CheckpointError(f"{name}: W8A8_DYNAMIC weight of dtype {qweight.dtype}, expected int8")
+    if bool(offset.ne(0).any()):
+        raise CheckpointError(
+            f"{base}{WEIGHT_OFFSET}: non-zero offsets (asymmetric int8) are not supported, "
+            "W8A8_DYNAMIC weights must be symmetric"
+        )
+    flat = scale.float().reshape(-1)  # (out,)
+    if not bool(torch.isfinite(flat).all()):
+        raise CheckpointError(f"{base}{WEIGHT_SCALE}: non-finite scales")
+    return Int8Weight(qweight, flat)
