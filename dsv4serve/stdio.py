@@ -23,6 +23,7 @@ from dsv4serve.protocol import ErrorEvent, Event, RequestError
 MAX_LINE_BYTES = 64 << 20  # one request line (a long prompt_token_ids list fits comfortably)
 EVENT_BUFFER = 4096  # events waiting for the writer; beyond it the producers wait (stdout pushes back)
 MAX_WRITE_BATCH = 256  # events joined into one write
+CRASH_FLUSH_S = 5.0  # after an engine crash, how long the writer may take to flush its errors
 
 EventSink: TypeAlias = trio.MemorySendChannel[Event]
 Log: TypeAlias = structlog.typing.FilteringBoundLogger
@@ -54,15 +55,29 @@ async def serve(options: SystemOptions, stdin: trio.abc.ReceiveStream, stdout: t
     """Serve requests from `stdin` until EOF or `shutdown`, then drain and return."""
     log: Log = structlog.get_logger().bind(actor="stdio")  # bound after logs.configure, not at import
     send, recv = trio.open_memory_channel[Event](EVENT_BUFFER)
+    failure: Exception | None = None
+    async with trio.open_nursery() as writer:
+        writer.start_soon(write_events, recv, stdout)
+        async with send:
+            try:
+                await serve_engine(options, stdin, send, log)
+            except Exception as exc:  # a crash: the writer still flushes the errors the engine queued
+                failure = exc
+                writer.cancel_scope.deadline = trio.current_time() + CRASH_FLUSH_S
+    if failure is not None:
+        raise failure
+    log.info("stopped")
+
+
+async def serve_engine(
+    options: SystemOptions, stdin: trio.abc.ReceiveStream, events: EventSink, log: Log
+) -> None:
     async with trio.open_nursery() as nursery:
         handle: EngineHandle = await nursery.start(run_system, options)
-        nursery.start_soon(write_events, recv, stdout)
         log.info("ready", model=str(options.model_dir))
-        async with send:
-            await read_requests(LineReader(stdin), handle, send, log)
-            log.info("draining")
-            await handle.drain()
-    log.info("stopped")
+        await read_requests(LineReader(stdin), handle, events, log)
+        log.info("draining")
+        await handle.drain()
 
 
 async def read_requests(lines: LineReader, handle: EngineHandle, events: EventSink, log: Log) -> None:

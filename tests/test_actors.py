@@ -124,7 +124,11 @@ async def running(
 def submit(
     handle: EngineHandle, rid: str, prompt: str | None = "abc", max_tokens: int = 4, **kw: object
 ) -> trio.MemoryReceiveChannel[Event]:
+    """Prompts go in as token ids: a text prompt would be encoded in a worker thread, and under the
+    autojump clock virtual time runs on while that thread works, so the fake device could race ahead."""
     send, recv = trio.open_memory_channel[Event](1000)
+    if prompt is not None and "prompt_token_ids" not in kw:
+        prompt, kw["prompt_token_ids"] = None, tuple(letters(prompt))
     kw.setdefault("prompt_token_ids", None)
     req = Submit(rid=rid, prompt=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
     handle.submit(req, send)

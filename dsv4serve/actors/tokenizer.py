@@ -7,6 +7,7 @@ channels: the engine handle adds entries and marks cancels, this actor ends them
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import assert_never
@@ -188,13 +189,23 @@ class _Tokenizer:
             logprobs=tuple(out.logprobs) if out.want_logprobs else None,
             prompt_token_ids=out.prompt_ids if out.echo_prompt else None,
         )
-        await self.emit(rid, event, client)
+        await self.emit_terminal(rid, event, client)
 
     async def fail(self, rid: str, code: ErrorCode, message: str) -> None:
         self.outputs.pop(rid, None)
         client = self.clients.end(rid)
         self.log.info("request", rid=rid, finish_reason="error", code=code, message=message)
-        await self.emit(rid, ErrorEvent(id=rid, code=code, message=message), client)
+        await self.emit_terminal(rid, ErrorEvent(id=rid, code=code, message=message), client)
+
+    async def emit_terminal(self, rid: str, event: DoneEvent | ErrorEvent, client: Client) -> None:
+        """The client is ended already: a shutdown that cancels this send would leave the request
+        with no terminal event (`_fail_live` skips ended ones), so then it goes in without waiting."""
+        try:
+            await self.emit(rid, event, client)
+        except trio.Cancelled:
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                client.events.send_nowait(event)
+            raise
 
     async def cancel(self, msg: CancelRequest) -> None:
         client = self.clients.cancel_arrived(msg.rid)

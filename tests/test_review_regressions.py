@@ -1,0 +1,76 @@
+"""Regressions found in review: each test failed before its fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from test_actors import ENGINE, FakeDevice, letters, make_parts
+
+from dsv4serve import stdio
+from dsv4serve.actors.system import EngineHandle, SystemOptions, run_actors
+from dsv4serve.protocol import CacheLocs, DoneEvent, ErrorEvent, Event, Submit, TokenEvent
+
+
+async def test_shutdown_racing_a_terminal_send_still_ends_the_request(autojump_clock: object) -> None:
+    """The tokenizer ended the client, then its DoneEvent send was cancelled by shutdown: the request
+    got no terminal event at all (and `_fail_live` skipped it as ended)."""
+    send, recv = trio.open_memory_channel[Event](2)
+    filler = TokenEvent(id="filler", token_ids=(), text="")
+    send.send_nowait(filler)
+    send.send_nowait(filler)  # full: the tokenizer will block on the request's TokenEvent
+    async with trio.open_nursery() as nursery:
+        opts = SystemOptions(Path("unused"), ENGINE)
+        handle: EngineHandle = await nursery.start(run_actors, make_parts(FakeDevice()), opts)
+        handle.submit(
+            Submit(rid="a", prompt=None, prompt_token_ids=tuple(letters("abc")), max_tokens=1, stream=True),
+            send,
+        )
+        while recv.statistics().tasks_waiting_send == 0:
+            await trio.sleep(0.001)
+        # room for two more events: the tokenizer's send completes, then (same tick) the engine stops
+        assert recv.receive_nowait() == filler and recv.receive_nowait() == filler
+        handle.shutdown()
+    events = []
+    while True:
+        try:
+            events.append(recv.receive_nowait())
+        except trio.WouldBlock:
+            break
+    assert isinstance(events[0], TokenEvent) and events[0].id == "a"
+    ends = [e for e in events if isinstance(e, DoneEvent | ErrorEvent)]
+    assert len(ends) == 1, events
+
+
+async def test_stdio_engine_crash_still_writes_the_accepted_requests_errors(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: object
+) -> None:
+    """When the engine crashed, `_fail_live` queued an `error` per accepted request, but the writer
+    had been cancelled with the rest of the nursery: stdout never got them."""
+
+    async def broken_write(locs: Sequence[CacheLocs]) -> None:
+        raise RuntimeError("table write failed")
+
+    parts = dataclasses.replace(make_parts(FakeDevice()), write_locs=broken_write)
+
+    async def fake_system(options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle]) -> None:
+        await run_actors(parts, options, task_status=task_status)
+
+    monkeypatch.setattr(stdio, "run_system", fake_system)
+    stdin_send, stdin_recv = trio.testing.memory_stream_one_way_pair()
+    stdout = trio.testing.MemorySendStream()
+    request = {"type": "generate", "id": "r", "prompt_token_ids": letters("abc"), "max_tokens": 2}
+    await stdin_send.send_all(json.dumps(request).encode() + b"\n")
+    with pytest.raises(BaseExceptionGroup):
+        await stdio.serve(SystemOptions(Path("unused"), ENGINE), stdin_recv, stdout)
+    try:
+        written = stdout.get_data_nowait()
+    except trio.WouldBlock:  # nothing was written
+        written = b""
+    lines = [json.loads(line) for line in written.splitlines()]
+    assert [(e["type"], e["id"], e["code"]) for e in lines] == [("error", "r", "internal")], lines
