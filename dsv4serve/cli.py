@@ -156,6 +156,7 @@ def _engine_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--page-size", type=_positive_int, default=d.page_size, help="tokens per page")
     p.add_argument("--state-mode", choices=STATE_MODES, default=d.state_mode, help="compressor state layout")
     p.add_argument("--seed", type=int, default=d.seed, help="engine sampling seed")
+    p.add_argument("--weight-quant", choices=("int8",), default=None, help="W8A8 projections at load")
     p.add_argument("--log-level", choices=LEVELS, default="warning", help="stderr log level")
 
 
@@ -168,6 +169,7 @@ ENGINE_FLAGS = (
     "page_size",
     "state_mode",
     "seed",
+    "weight_quant",
 )
 
 
