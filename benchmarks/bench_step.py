@@ -1,87 +1,20 @@
-"""Executor-core throughput on a tiny checkpoint: prefill and decode steps through allocator ->
-tables -> ModelRunner, on any device; optionally checks the device's logits against the CPU's.
+"""Executor-core throughput on a tiny checkpoint (see dsv4serve/bench.py); optionally checks the
+device's greedy tokens against the CPU's.
 
     python benchmarks/bench_step.py --device cuda --requests 32 --prompt-len 256 --decode-steps 32
 
-Prints one JSON object (times are medians over steps, after one warm-up step).
+Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
-import torch
-
-from dsv4serve.config import EngineConfig
-from dsv4serve.memory.allocator import KVAllocator, Refusal
+from dsv4serve.bench import run_bench
 from dsv4serve.models.tiny import make_tiny
-from dsv4serve.protocol import SamplingSpec, StepItem, StepPlan
-from dsv4serve.runner import ModelRunner
-
-GREEDY = SamplingSpec(temperature=0.0)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def run(
-    model_dir: Path, device: str, requests: int, prompt_len: int, decode_steps: int, dtype: str | None = None
-) -> dict:
-    engine = EngineConfig(
-        device=device,
-        dtype=dtype,
-        page_size=64,
-        max_num_seqs=requests,
-        max_num_batched_tokens=requests * prompt_len,
-        max_total_tokens=requests * (prompt_len + decode_steps + 64),
-    )
-    runner = ModelRunner(model_dir, engine)
-    alloc = KVAllocator(runner.model_cfg, engine, runner.sizes)
-    rng = random.Random(0)
-    prompts = {f"r{i}": [rng.randrange(2, 129000) for _ in range(prompt_len)] for i in range(requests)}
-    lengths = dict.fromkeys(prompts, 0)
-    last: dict[str, int] = {}
-    times: dict[str, list[float]] = {"prefill": [], "decode": []}
-    for step in range(decode_steps + 1):
-        items, locs = [], []
-        for rid, prompt in prompts.items():
-            ids = tuple(prompt) if step == 0 else (last[rid],)
-            got = alloc.allocate(rid, lengths[rid], lengths[rid] + len(ids), step)
-            assert not isinstance(got, Refusal), got
-            locs.append(got)
-            items.append(
-                StepItem(
-                    rid=rid, prefix_len=lengths[rid], token_ids=ids, sample=True, sampling=GREEDY, row=got.row
-                )
-            )
-            lengths[rid] += len(ids)
-        runner.write_locs(locs)
-        _sync(device)
-        start = time.perf_counter()
-        result = runner.execute(StepPlan(step=step, items=tuple(items)))
-        _sync(device)
-        times["prefill" if step == 0 else "decode"].append(time.perf_counter() - start)
-        last = {o.rid: o.token_id for o in result.outputs}
-    decode = statistics.median(times["decode"][1:] or times["decode"])
-    return {
-        "device": device,
-        "dtype": engine.torch_dtype_name,
-        "requests": requests,
-        "prompt_len": prompt_len,
-        "prefill_ms": round(times["prefill"][0] * 1e3, 2),
-        "prefill_tok_s": round(requests * prompt_len / times["prefill"][0]),
-        "decode_step_ms": round(decode * 1e3, 2),
-        "decode_tok_s": round(requests / decode),
-        "tokens": [last[r] for r in sorted(last)][:8],
-    }
 
 
 def main() -> None:
@@ -95,9 +28,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny(Path(tmp) / "tiny", seed=0)
-        out = run(model_dir, args.device, args.requests, args.prompt_len, args.decode_steps, args.dtype)
+        out = run_bench(model_dir, args.device, args.requests, args.prompt_len, args.decode_steps, args.dtype)
         if args.check_cpu and args.device != "cpu":
-            ref = run(model_dir, "cpu", args.requests, args.prompt_len, args.decode_steps, out["dtype"])
+            ref = run_bench(model_dir, "cpu", args.requests, args.prompt_len, args.decode_steps, out["dtype"])
             out["same_tokens_as_cpu"] = ref["tokens"] == out["tokens"]
     print(json.dumps(out))
 

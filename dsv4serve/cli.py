@@ -256,9 +256,30 @@ def _run_demo(args: argparse.Namespace) -> int:
     return demo.run(cache, args.max_tokens, args.temperature, _engine_knobs(args))
 
 
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="default: the demo's tiny checkpoint")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where the tiny checkpoint is cached")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or npu")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on cpu, else bf16")
+    p.add_argument("--requests", type=_positive_int, default=8, help="requests per step")
+    p.add_argument("--prompt-len", type=_positive_int, default=128, help="prompt tokens per request")
+    p.add_argument("--decode-steps", type=_positive_int, default=16, help="decode steps after the prefill")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from dsv4serve.bench import run_bench
+
+    model = args.model
+    if model is None:
+        model, _ = demo.tiny_checkpoint(args.cache_dir or demo.default_cache_dir(), seed=0)
+    _load_model_config(model)
+    result = run_bench(model, args.device, args.requests, args.prompt_len, args.decode_steps, args.dtype)
+    print(json.dumps(result))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- commands
-# One entry per subcommand. Still to come (it adds `_<name>_arguments` / `_run_<name>` above and an
-# entry here): "bench".
+# One entry per subcommand (`_<name>_arguments` / `_run_<name>` above).
 
 COMMANDS: Mapping[str, Command] = MappingProxyType(
     {
@@ -269,5 +290,6 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
         "serve": Command("serve JSON-lines requests on stdin (--stdio)", _serve_arguments, _run_serve),
         "generate": Command("print the completion of one prompt", _generate_arguments, _run_generate),
         "demo": Command("stream a few prompts through a tiny checkpoint", _demo_arguments, _run_demo),
+        "bench": Command("time prefill and decode steps of the executor core", _bench_arguments, _run_bench),
     }
 )
