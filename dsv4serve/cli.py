@@ -52,8 +52,24 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     try:
         return COMMANDS[args.command].run(args)
-    except ConfigError as exc:
-        return _fail(f"dsv4serve {args.command}: error: {exc}")
+    except (Exception, BaseExceptionGroup) as exc:  # re-raised unless it is a user error
+        user_error = _user_error(exc)
+        if user_error is None:
+            raise
+        print(f"dsv4serve {args.command}: error: {user_error}".replace("\n", " "), file=sys.stderr)
+        return EXIT_USAGE if isinstance(user_error, ConfigError) else 1
+
+
+def _user_error(exc: BaseException) -> BaseException | None:
+    """A bad model directory, config, checkpoint or tokenizer (possibly inside a one-exception group
+    from trio): reported as one line. Anything else is a bug and keeps its traceback."""
+    from dsv4serve.actors.tokenizer_core import TokenizerError
+    from dsv4serve.models.weights import CheckpointError
+
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    user = (ConfigError, CheckpointError, TokenizerError, FileNotFoundError, NotImplementedError)
+    return exc if isinstance(exc, user) else None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,3 +33,15 @@ def test_bench_on_a_missing_model_is_a_usage_error(
 ) -> None:
     assert main(["bench", "--model", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_a_corrupt_checkpoint_is_one_line_not_a_traceback(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes()[:1000] if f.suffix == ".safetensors" else f.read_bytes())
+    assert main(["bench", "--model", str(bad), "--requests", "1", "--prompt-len", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
