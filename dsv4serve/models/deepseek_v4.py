@@ -212,7 +212,7 @@ class DeepseekV4:
         )
         out = self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit)
         if w.shared is not None:
-            out = out + swiglu(x, *w.shared, limit=cfg.swiglu_limit)
+            out = out + swiglu(x, *w.shared, limit=cfg.swiglu_limit, matmul=self.ops.linear)
         return out
 
     def _collapse(self, h: torch.Tensor) -> torch.Tensor:

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from dsv4serve.quant import Weight, linear
 
 
-def swiglu(x: torch.Tensor, w1: Weight, w2: Weight, w3: Weight, limit: float) -> torch.Tensor:
-    """down(silu(min(gate, limit)) * clamp(up, -limit, limit)); gate = x W1, up = x W3."""
-    gate = linear(x, w1).clamp(max=limit)
-    up = linear(x, w3).clamp(min=-limit, max=limit)
-    return linear(F.silu(gate) * up, w2)
+def swiglu(
+    x: torch.Tensor,
+    w1: Weight,
+    w2: Weight,
+    w3: Weight,
+    limit: float,
+    matmul: Callable[[torch.Tensor, Weight], torch.Tensor] = linear,
+) -> torch.Tensor:
+    """down(silu(min(gate, limit)) * clamp(up, -limit, limit)); gate = x W1, up = x W3.
+
+    `matmul` is the backend's linear (the shared expert runs it); routed experts use the reference.
+    """
+    gate = matmul(x, w1).clamp(max=limit)
+    up = matmul(x, w3).clamp(min=-limit, max=limit)
+    return matmul(F.silu(gate) * up, w2)
 
 
 def routed_experts_reference(
