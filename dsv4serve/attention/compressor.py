@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4serve.attention.core import rms_norm
-from dsv4serve.attention.metadata import ForwardBatch
-from dsv4serve.attention.rope import RopeTables, apply_rope
+from dsv4serve.attention.geometry import CompressGeometry
+from dsv4serve.attention.rope import apply_rope
 
 if TYPE_CHECKING:
     from dsv4serve.backend import Backend
@@ -33,80 +33,50 @@ class CompressorWeights:
     norm: torch.Tensor  # (d,)
 
 
-@dataclass(frozen=True)
-class CompressorCache:
-    state: torch.Tensor  # (slots, 2*coff*d) fp32 rows [kv | score], flat view of the pool
-    state_table: torch.Tensor  # (rows, max_len) raw position -> state slot
-    state_sentinel: int
-    out: torch.Tensor  # (slots, d) compressed entries, flat view of the pool
-    out_table: torch.Tensor  # (rows, max_len // r + 1) compressed index -> slot
-
-
-def keep_start(ratio: int, seq_lens: torch.Tensor) -> torch.Tensor:
-    """First raw position whose state row must outlive a step that ends at seq_lens."""
-    coff = 2 if ratio == 4 else 1
-    return ((seq_lens // ratio - (coff - 1)) * ratio).clamp(min=0)
-
-
 def compress_step(
     x: torch.Tensor,
     w: CompressorWeights,
-    cache: CompressorCache,
-    batch: ForwardBatch,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    geo: CompressGeometry,
     ratio: int,
-    rope: RopeTables,
     eps: float,
     ops: Backend,
 ) -> None:
-    """Close this step's windows into `cache.out` and persist the state rows later steps need."""
-    coff = 2 if ratio == 4 else 1
+    """Close this step's windows into `out` and persist the state rows later steps need.
+
+    state: (slots, 2*coff*d) fp32 rows [kv | score]; out: (slots, d) compressed entries (flat views).
+    """
     kv = torch.nn.functional.linear(x, w.wkv)  # (T, coff*d)
-    score = torch.nn.functional.linear(x, w.wgate) + w.ape[batch.positions % ratio]  # (T, coff*d) fp32
-    windows = batch.windows[ratio]
-    if windows.index.numel():
-        compressed, slots = _close_windows(kv, score, w, cache, batch, ratio, coff, rope, eps, ops)
-        cache.out.index_copy_(0, slots, compressed.to(cache.out.dtype))
-    rows = batch.rows[batch.token_req]
-    slots = cache.state_table[rows, batch.positions].long()
-    start = torch.maximum(batch.prefix_lens, keep_start(ratio, batch.seq_lens))[batch.token_req]
-    slots = torch.where(batch.positions >= start, slots, cache.state_sentinel)
-    cache.state.index_copy_(0, slots, torch.cat([kv.float(), score.float()], dim=-1))
+    score = torch.nn.functional.linear(x, w.wgate) + w.ape[geo.ape_row]  # (T, coff*d) fp32
+    if geo.out_slots.numel():
+        compressed = _close_windows(kv, score, w, state, geo, ratio, eps, ops)
+        out.index_copy_(0, geo.out_slots, compressed.to(out.dtype))
+    state.index_copy_(0, geo.state_write, torch.cat([kv.float(), score.float()], dim=-1))
 
 
 def _close_windows(
     kv: torch.Tensor,
     score: torch.Tensor,
     w: CompressorWeights,
-    cache: CompressorCache,
-    batch: ForwardBatch,
+    state: torch.Tensor,
+    geo: CompressGeometry,
     ratio: int,
-    coff: int,
-    rope: RopeTables,
     eps: float,
     ops: Backend,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    windows = batch.windows[ratio]
-    valid = windows.index >= 0
-    k = windows.index.clamp(min=0)  # (NW,)
-    b = windows.req
+) -> torch.Tensor:
+    """The entries of the windows closing this step: (NW, d)."""
     width = kv.shape[-1]
-    pos = ((k - (coff - 1)) * ratio)[:, None] + torch.arange(coff * ratio, device=k.device)  # (NW, coff*r)
-    prefix = batch.prefix_lens[b][:, None]
-    fresh = pos >= prefix
-    fresh_idx = (batch.cu_seqlens[b][:, None] + pos - prefix).clamp(0, kv.shape[0] - 1)
-    state_slot = cache.state_table[batch.rows[b][:, None], pos.clamp(min=0)].long()
-    stored = cache.state[state_slot]  # (NW, coff*r, 2*width)
-    rows_kv = torch.where(fresh[..., None], kv[fresh_idx].to(stored.dtype), stored[..., :width])
-    rows_score = torch.where(fresh[..., None], score[fresh_idx].float(), stored[..., width:])
-    if coff == 2:  # window k = half A of window k-1's rows + half B of its own rows
+    stored = state[geo.state_read]  # (NW, coff*r, 2*width)
+    fresh = geo.fresh[..., None]
+    rows_kv = torch.where(fresh, kv[geo.fresh_index].to(stored.dtype), stored[..., :width])
+    rows_score = torch.where(fresh, score[geo.fresh_index].float(), stored[..., width:])
+    if ratio == 4:  # window k = half A of window k-1's rows + half B of its own rows
         d = width // 2
         rows_kv = torch.cat([rows_kv[:, :ratio, :d], rows_kv[:, ratio:, d:]], dim=1)  # (NW, 2r, d)
         rows_score = torch.cat([rows_score[:, :ratio, :d], rows_score[:, ratio:, d:]], dim=1)
-    missing = (pos < 0)[..., None]  # window 0 has no previous window: weight 0
+    missing = (geo.window_pos < 0)[..., None]  # window 0 has no previous window: weight 0
     rows_kv = rows_kv.masked_fill(missing, 0.0).to(kv.dtype)
     rows_score = rows_score.masked_fill(missing, float("-inf"))
     compressed = rms_norm(ops.pool_windows(rows_kv, rows_score), w.norm, eps)  # (NW, d)
-    cos, sin = rope.lookup(k * ratio, compress=True)
-    compressed = apply_rope(compressed, cos, sin)
-    slots = cache.out_table[batch.rows[b], k].long()
-    return compressed, torch.where(valid, slots, 0)
+    return apply_rope(compressed, geo.window_cos, geo.window_sin)

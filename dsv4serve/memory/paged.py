@@ -10,23 +10,28 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.protocol import SLOT_DTYPE
+
+if TYPE_CHECKING:
+    import torch
+
+N = TypeVar("N", int, "torch.Tensor")
 
 POOL_NAMES = ("full", "swa", "c4", "c128", "c4_state", "c128_state")
 STATE_POOLS = ("c4_state", "c128_state")
 
 
-def keep_start(ratio: int, n: int) -> int:
+def keep_start(ratio: int, n: N) -> N:
     """First raw position whose compressor-state row must stay live once a request holds n tokens.
 
     Ratio 4: the last closed window (its half A feeds the next window) plus the open window.
-    Other ratios: the open window only.
+    Other ratios: the open window only. `n` is an int (the allocator) or an int tensor (the model).
     """
-    if ratio == 4:
-        return max(0, (n // 4 - 1) * 4)
-    return (n // ratio) * ratio
+    start = (n // ratio - (1 if ratio == 4 else 0)) * ratio
+    return start * (start > 0)  # max(start, 0), for ints and tensors alike
 
 
 @dataclass(frozen=True, slots=True)

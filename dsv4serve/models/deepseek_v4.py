@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.attention.compressor import CompressorCache, CompressorWeights
+from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.attention.core import rms_norm
 from dsv4serve.attention.dsv4 import AttentionCache, AttentionWeights, IndexerWeights, attention_forward
+from dsv4serve.attention.geometry import StepGeometry, step_geometry
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.config import ModelConfig
@@ -171,16 +172,22 @@ class DeepseekV4:
         self, batch: ForwardBatch, pools: KVPools, tables: SlotTables, all_logits: bool = False
     ) -> torch.Tensor:
         """Logits (S, vocab) of the sampled tokens, or (T, vocab) for every token if all_logits."""
+        sentinels = {
+            4: pools.state_sentinel["c4_state"],
+            self.cfg.hca_ratio: pools.state_sentinel["c128_state"],
+        }
+        ratios = {r: sentinels[r] for r in self.cfg.compress_ratio_set}
+        geo = step_geometry(batch, tables, self.rope, self.cfg.sliding_window, ratios)  # shared by all layers
         x = self.embed[batch.input_ids]  # (T, hidden)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, hc, hidden)
         for i, layer in enumerate(self.layers):
-            h = self._layer(h, layer, batch, _layer_cache(pools, tables, i, layer.ratio))
+            h = self._layer(h, layer, batch, geo, _layer_cache(pools, i, layer.ratio))
         if not all_logits:
             h = h[batch.sample_index]
         return F.linear(rms_norm(self._collapse(h), self.norm, self.cfg.rms_norm_eps), self.head)
 
     def _layer(
-        self, h: torch.Tensor, w: LayerWeights, batch: ForwardBatch, cache: AttentionCache
+        self, h: torch.Tensor, w: LayerWeights, batch: ForwardBatch, geo: StepGeometry, cache: AttentionCache
     ) -> torch.Tensor:
         cfg = self.cfg
         post, comb, x = hc_pre(h, w.hc_attn, cfg)
@@ -188,10 +195,9 @@ class DeepseekV4:
             rms_norm(x, w.attn_norm, cfg.rms_norm_eps),
             w.attn,
             cache,
-            batch,
+            geo,
             cfg,
             w.ratio,
-            self.rope,
             self.ops,
         )
         h = hc_post(h, x, post, comb)
@@ -224,22 +230,16 @@ class DeepseekV4:
         return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
 
 
-def _layer_cache(pools: KVPools, tables: SlotTables, i: int, ratio: int) -> AttentionCache:
-    """Layer i's views of the pools (flat: one row per slot) and the tables that address them."""
-
-    def cache(state: torch.Tensor, out: torch.Tensor, pool: str) -> CompressorCache:
-        return CompressorCache(
-            flat(state),
-            tables.table(f"{pool}_state"),
-            pools.state_sentinel[f"{pool}_state"],
-            flat(out),
-            tables.table(pool),
-        )
-
-    compressed = index = None
+def _layer_cache(pools: KVPools, i: int, ratio: int) -> AttentionCache:
+    """Layer i's buffers as flat views (one row per slot)."""
     if ratio == 4:
-        compressed = cache(pools.c4_state[i], pools.c4[i], "c4")
-        index = cache(pools.c4_index_state[i], pools.c4_index[i], "c4")  # indexer keys share c4 slots
-    elif ratio:
-        compressed = cache(pools.c128_state[i], pools.c128[i], "c128")
-    return AttentionCache(flat(pools.swa[i]), tables.swa, compressed, index)
+        return AttentionCache(
+            flat(pools.swa[i]),
+            flat(pools.c4_state[i]),
+            flat(pools.c4[i]),
+            flat(pools.c4_index_state[i]),
+            flat(pools.c4_index[i]),
+        )
+    if ratio:
+        return AttentionCache(flat(pools.swa[i]), flat(pools.c128_state[i]), flat(pools.c128[i]), None, None)
+    return AttentionCache(flat(pools.swa[i]), None, None, None, None)
