@@ -18,7 +18,7 @@ from dsv4serve.backend import Backend, select_backend
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.memory.paged import PoolSizes
 from dsv4serve.memory.pools import KVPools
-from dsv4serve.memory.tables import SlotTables, write_cache_locs
+from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
 from dsv4serve.models.deepseek_v4 import DeepseekV4
 from dsv4serve.models.loader import load_checkpoint
 from dsv4serve.protocol import CacheLocs, SampledToken, StepPlan
@@ -59,8 +59,7 @@ class ModelRunner:
         self.ratios = cfg.compress_ratio_set
 
     def write_locs(self, locs: Sequence[CacheLocs]) -> None:
-        for loc in locs:
-            write_cache_locs(self.tables, loc)
+        write_cache_locs_batch(self.tables, locs)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> StepResult:

@@ -71,18 +71,23 @@ def build_forward_batch(
             reqs.extend([b] * len(closing))
             idx.extend(closing)
 
-    def t(values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device)
-
+    parts: dict[str, list[int]] = {
+        "input_ids": input_ids,
+        "positions": positions,
+        "token_req": token_req,
+        "rows": [i.row for i in items],
+        "prefix_lens": [i.prefix_len for i in items],
+        "seq_lens": [i.prefix_len + len(i.token_ids) for i in items],
+        "cu_seqlens": cu,
+        "sample_index": sample_index,
+    }
+    for r, (reqs, idx) in win.items():
+        parts[f"win_req{r}"], parts[f"win_index{r}"] = reqs, idx
+    # one host tensor and one copy to the device, then views: not one transfer per field
+    flat = torch.tensor([v for values in parts.values() for v in values], dtype=torch.int64).to(device)
+    views = dict(zip(parts, flat.split([len(v) for v in parts.values()]), strict=True))
     return ForwardBatch(
-        input_ids=t(input_ids),
-        positions=t(positions),
-        token_req=t(token_req),
-        rows=t([i.row for i in items]),
-        prefix_lens=t([i.prefix_len for i in items]),
-        seq_lens=t([i.prefix_len + len(i.token_ids) for i in items]),
-        cu_seqlens=t(cu),
-        sample_index=t(sample_index),
+        **{name: views[name] for name in list(parts)[:8]},
         max_seq_len=max((i.prefix_len + len(i.token_ids) for i in items), default=0),
-        windows={r: WindowMeta(req=t(reqs), index=t(idx)) for r, (reqs, idx) in win.items()},
+        windows={r: WindowMeta(req=views[f"win_req{r}"], index=views[f"win_index{r}"]) for r in win},
     )
