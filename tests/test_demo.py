@@ -73,6 +73,13 @@ def test_generate_prints_the_completion(
         (["generate", "--model", "/nonexistent", "--prompt", "x"], "does not exist"),
         (["generate", "--model", "MODEL"], "required: --prompt"),
         (["demo", "--max-tokens", "0"], "--max-tokens"),
+        (["serve", "--model", "MODEL"], "required: --stdio"),
+        (["serve", "--stdio", "--model", "/nonexistent"], "does not exist"),
+        (
+            ["serve", "--stdio", "--model", "MODEL", "--page-size", "24"],
+            "page_size: 24 must be a power of two",
+        ),
+        (["serve", "--stdio", "--model", "MODEL", "--state-mode", "flat"], "--state-mode"),
     ],
 )
 def test_cli_usage_errors_are_one_line_exit_2(

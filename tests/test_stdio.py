@@ -17,7 +17,6 @@ from typing import IO, Any
 import pytest
 import trio
 
-from dsv4serve import cli
 from dsv4serve.protocol import RequestError
 from dsv4serve.stdio import LineReader
 
@@ -258,27 +257,3 @@ async def test_line_reader_splits_chunks_and_skips_overlong_lines() -> None:
     assert await reader.receive_line() == b"ok"
     assert await reader.receive_line() == b"last"
     assert await reader.receive_line() is None
-
-
-# ---------------------------------------------------------------- usage errors (in process)
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["serve", "--model", "MODEL"], "required: --stdio"),
-        (["serve", "--stdio", "--model", "/nonexistent"], "does not exist"),
-        (
-            ["serve", "--stdio", "--model", "MODEL", "--page-size", "24"],
-            "page_size: 24 must be a power of two",
-        ),
-        (["serve", "--stdio", "--model", "MODEL", "--state-mode", "flat"], "--state-mode"),
-    ],
-)
-def test_serve_usage_errors_are_one_line_exit_2(
-    argv: list[str], message: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = [str(tiny_model_dir) if a == "MODEL" else a for a in argv]
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
