@@ -79,14 +79,18 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (S, V) -> (token ids (S,), logprobs of those tokens under the model's distribution (S,))."""
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    log_z = torch.logsumexp(logits, dim=-1)  # (S,): chosen logprob = logit - log Z, no (S, V) log_softmax
+
+    def logprob(tokens: torch.Tensor) -> torch.Tensor:
+        return logits.gather(1, tokens[:, None]).squeeze(1) - log_z
+
     greedy = logits.argmax(dim=-1)
     if params.all_greedy:
-        return greedy, logprobs.gather(1, greedy[:, None]).squeeze(1)
+        return greedy, logprob(greedy)
     scaled = logits / params.temperature.clamp(min=1e-6)[:, None]
     if params.needs_filter:
         scaled = _filter(scaled, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
     race = probs / -torch.log(uniform(params.seed, params.position, logits.shape[-1]))
     tokens = torch.where(params.temperature > 0, race.argmax(dim=-1), greedy)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprob(tokens)
