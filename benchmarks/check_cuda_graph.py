@@ -21,9 +21,9 @@ import torch
 
 from dsv4serve.attention.metadata import BatchItem, ForwardBatch, WindowMeta, build_forward_batch
 from dsv4serve.config import EngineConfig
+from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory.allocator import KVAllocator, Refusal
 from dsv4serve.models.tiny import make_tiny
-from dsv4serve.runner import ModelRunner
 
 
 def _copy_into(static: ForwardBatch, fresh: ForwardBatch) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from dsv4serve.config import EngineConfig
+from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory.allocator import KVAllocator, Refusal
 from dsv4serve.protocol import SamplingSpec, StepItem, StepPlan
-from dsv4serve.runner import ModelRunner
 
 GREEDY = SamplingSpec(temperature=0.0)
 

@@ -18,8 +18,8 @@ import torch
 from golden_harness import Trace, compare, engine_traces, random_chunker, reference_traces
 
 from dsv4serve.config import EngineConfig
+from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.models.tiny import make_tiny
-from dsv4serve.runner import ModelRunner
 
 MAX_NEW = 32
 DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # the engine's device; the reference runs on the CPU

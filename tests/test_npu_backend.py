@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from dsv4serve.backend import NPU_OPS, REFERENCE, select_backend
+from dsv4serve.backend import REFERENCE
+from dsv4serve.executor.backends import NPU_OPS, select_backend
 from dsv4serve.quant import Int8Weight, quantize_int8
 
 # --- the fake torch_npu, written from the documented semantics ------------------------------------

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dsv4serve.sampling import SamplingBatch, sample, uniform
+from dsv4serve.executor.sampling import SamplingBatch, sample, uniform
 
 
 def _params(

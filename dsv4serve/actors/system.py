@@ -32,6 +32,7 @@ from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.tokenizer import Client, Clients, run_tokenizer
 from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer
 from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory import KVAllocator, write_cache_locs_batch
 from dsv4serve.protocol import (
     AllocatorMsg,
@@ -51,7 +52,6 @@ from dsv4serve.protocol import (
     Submit,
     TokenizerMsg,
 )
-from dsv4serve.runner import ModelRunner
 from dsv4serve.scheduler import SchedulerCore
 
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)

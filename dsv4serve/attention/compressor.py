@@ -13,16 +13,12 @@ a layer's state happens before any write to it: the allocator relies on that (se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4serve.attention.core import rms_norm
+from dsv4serve.attention.core import pool_windows, rms_norm
 from dsv4serve.attention.geometry import CompressGeometry
 from dsv4serve.attention.rope import apply_rope
-
-if TYPE_CHECKING:
-    from dsv4serve.backend import Backend
 
 
 @dataclass(frozen=True)
@@ -41,7 +37,6 @@ def compress_step(
     geo: CompressGeometry,
     ratio: int,
     eps: float,
-    ops: Backend,
 ) -> None:
     """Close this step's windows into `out` and persist the state rows later steps need.
 
@@ -50,7 +45,7 @@ def compress_step(
     kv = torch.nn.functional.linear(x, w.wkv)  # (T, coff*d)
     score = torch.nn.functional.linear(x, w.wgate) + w.ape[geo.ape_row]  # (T, coff*d) fp32
     if geo.out_slots.numel():
-        compressed = _close_windows(kv, score, w, state, geo, ratio, eps, ops)
+        compressed = _close_windows(kv, score, w, state, geo, ratio, eps)
         out.index_copy_(0, geo.out_slots, compressed.to(out.dtype))
     state.index_copy_(0, geo.state_write, torch.cat([kv.float(), score.float()], dim=-1))
 
@@ -63,7 +58,6 @@ def _close_windows(
     geo: CompressGeometry,
     ratio: int,
     eps: float,
-    ops: Backend,
 ) -> torch.Tensor:
     """The entries of the windows closing this step: (NW, d)."""
     width = kv.shape[-1]
@@ -78,5 +72,5 @@ def _close_windows(
     missing = (geo.window_pos < 0)[..., None]  # window 0 has no previous window: weight 0
     rows_kv = rows_kv.masked_fill(missing, 0.0).to(kv.dtype)
     rows_score = rows_score.masked_fill(missing, float("-inf"))
-    compressed = rms_norm(ops.pool_windows(rows_kv, rows_score), w.norm, eps)  # (NW, d)
+    compressed = rms_norm(pool_windows(rows_kv, rows_score), w.norm, eps)  # (NW, d)
     return apply_rope(compressed, geo.window_cos, geo.window_sin)

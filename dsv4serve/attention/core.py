@@ -55,3 +55,17 @@ def indexer_scores(
     scores = torch.einsum("thd,tjd->thj", q.float(), keys.float())
     scores = torch.relu(scores) * softmax_scale
     return (scores * head_weights.float()[:, :, None]).sum(dim=1)
+
+
+def topk_lowest_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, highest first, exact ties to the lowest index.
+
+    scores: (T, J) fp32 -> (T, k) int64. Every key is made distinct (score bits above, the reversed
+    column below), so any top-k algorithm gives the same answer whatever the row width: the choice
+    never depends on padding or on what else is in the batch. -0.0 counts as 0.0.
+    """
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float's value
+    column = torch.arange(scores.shape[-1], device=scores.device)
+    keys = ordered * 2**32 + (2**32 - 1 - column)
+    return keys.topk(k, dim=-1).indices

@@ -10,16 +10,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from dsv4serve.attention.compressor import CompressorWeights
-from dsv4serve.attention.core import rms_norm
 from dsv4serve.attention.dsv4 import AttentionCache, AttentionWeights, IndexerWeights, attention_forward
-from dsv4serve.attention.geometry import StepGeometry, step_geometry
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
+from dsv4serve.attention.step import StepMeta
 from dsv4serve.config import ModelConfig
 from dsv4serve.memory.pools import flat
+from dsv4serve.mhc import HcParams, HyperConnection, hc_head
 from dsv4serve.moe.experts import swiglu
 from dsv4serve.moe.routing import route
 from dsv4serve.quant import Weight
@@ -30,13 +29,6 @@ if TYPE_CHECKING:
     from dsv4serve.memory.tables import SlotTables
 
 Weights = dict[str, Weight]
-
-
-@dataclass(frozen=True)
-class HyperConnection:
-    fn: torch.Tensor  # ((2+hc)*hc, hc*hidden) fp32
-    base: torch.Tensor  # ((2+hc)*hc,) fp32
-    scale: torch.Tensor  # (3,) fp32
 
 
 @dataclass(frozen=True)
@@ -121,38 +113,6 @@ def _layer(w: Weights, cfg: ModelConfig, i: int) -> LayerWeights:
     )
 
 
-def hc_pre(h: torch.Tensor, hc: HyperConnection, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
-    """mHC weights from the streams h (T, hc, hidden).
-
-    Returns post (T, hc), comb (T, hc, hc) and the collapsed block input (T, hidden).
-
-    comb is made doubly stochastic by Sinkhorn iterations; everything in fp32.
-    """
-    n, eps = cfg.hc_mult, cfg.hc_eps
-    flat = h.flatten(1).float()  # (T, hc*hidden)
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    mixes = F.linear(flat, hc.fn.float())  # (T, (2+hc)*hc)
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
-    pre = torch.sigmoid(pre_w * hc.scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * hc.scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * hc.scale[2] + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
-    return post, comb, collapsed
-
-
-def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Expand a block output back into the streams and mix in the residual: post*out + comb^T h."""
-    dtype = h.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), h
-    )
-
-
 class DeepseekV4:
     """Holds the weights (as plain tensors) and runs forwards over pools."""
 
@@ -167,6 +127,7 @@ class DeepseekV4:
             _t(weights, "hc_head_fn"), _t(weights, "hc_head_base"), _t(weights, "hc_head_scale")
         )
         self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
+        self.hc = HcParams(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
 
     def forward(
         self, batch: ForwardBatch, pools: KVPools, tables: SlotTables, all_logits: bool = False
@@ -177,32 +138,25 @@ class DeepseekV4:
             self.cfg.hca_ratio: pools.state_sentinel["c128_state"],
         }
         ratios = {r: sentinels[r] for r in self.cfg.compress_ratio_set}
-        geo = step_geometry(batch, tables, self.rope, self.cfg.sliding_window, ratios)  # shared by all layers
+        meta = self.ops.prepare(batch, tables, self.rope, self.cfg.sliding_window, ratios)  # all layers
         x = self.embed[batch.input_ids]  # (T, hidden)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, hc, hidden)
         for i, layer in enumerate(self.layers):
-            h = self._layer(h, layer, batch, geo, _layer_cache(pools, i, layer.ratio))
+            h = self._layer(h, layer, batch, meta, _layer_cache(pools, i, layer.ratio))
         if not all_logits:
             h = h[batch.sample_index]
-        return F.linear(rms_norm(self._collapse(h), self.norm, self.cfg.rms_norm_eps), self.head)
+        x = self.ops.rms_norm(hc_head(h, self.hc_head, self.hc), self.norm, self.cfg.rms_norm_eps)
+        return self.ops.linear(x, self.head)
 
     def _layer(
-        self, h: torch.Tensor, w: LayerWeights, batch: ForwardBatch, geo: StepGeometry, cache: AttentionCache
+        self, h: torch.Tensor, w: LayerWeights, batch: ForwardBatch, meta: StepMeta, cache: AttentionCache
     ) -> torch.Tensor:
-        cfg = self.cfg
-        post, comb, x = hc_pre(h, w.hc_attn, cfg)
-        x = attention_forward(
-            rms_norm(x, w.attn_norm, cfg.rms_norm_eps),
-            w.attn,
-            cache,
-            geo,
-            cfg,
-            w.ratio,
-            self.ops,
-        )
-        h = hc_post(h, x, post, comb)
-        post, comb, x = hc_pre(h, w.hc_ffn, cfg)
-        return hc_post(h, self._moe(rms_norm(x, w.ffn_norm, cfg.rms_norm_eps), w.ffn, batch), post, comb)
+        ops = self.ops
+        x, post, comb = ops.hc_pre(h, w.hc_attn, w.attn_norm, self.hc)  # x: (T, hidden), normed
+        x = attention_forward(x, w.attn, cache, meta, self.cfg, w.ratio, ops)
+        h = ops.hc_post(x, h, post, comb)
+        x, post, comb = ops.hc_pre(h, w.hc_ffn, w.ffn_norm, self.hc)
+        return ops.hc_post(self._moe(x, w.ffn, batch), h, post, comb)
 
     def _moe(self, x: torch.Tensor, w: MoEWeights, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
@@ -220,14 +174,6 @@ class DeepseekV4:
         if w.shared is not None:
             out = out + swiglu(x, *w.shared, limit=cfg.swiglu_limit, matmul=self.ops.linear)
         return out
-
-    def _collapse(self, h: torch.Tensor) -> torch.Tensor:
-        """hc_head: collapse the streams (T, hc, hidden) -> (T, hidden) before the final norm."""
-        flat = h.flatten(1).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        mixes = F.linear(flat, self.hc_head.fn.float())  # (T, hc)
-        pre = torch.sigmoid(mixes * self.hc_head.scale.float() + self.hc_head.base.float()) + self.cfg.hc_eps
-        return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
 
 
 def _layer_cache(pools: KVPools, i: int, ratio: int) -> AttentionCache:

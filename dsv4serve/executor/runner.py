@@ -14,8 +14,10 @@ import torch
 
 from dsv4serve.attention.metadata import BatchItem, build_forward_batch
 from dsv4serve.attention.rope import RopeTables
-from dsv4serve.backend import Backend, select_backend
+from dsv4serve.backend import Backend
 from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.executor.backends import select_backend
+from dsv4serve.executor.sampling import SamplingBatch, sample
 from dsv4serve.memory.paged import PoolSizes
 from dsv4serve.memory.pools import KVPools
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
@@ -23,7 +25,6 @@ from dsv4serve.models.deepseek_v4 import DeepseekV4
 from dsv4serve.models.loader import load_checkpoint
 from dsv4serve.protocol import CacheLocs, SampledToken, StepPlan
 from dsv4serve.quant import Weight, quantize_weights_int8
-from dsv4serve.sampling import SamplingBatch, sample
 
 
 @dataclass(frozen=True)

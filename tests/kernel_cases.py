@@ -1,0 +1,188 @@
+"""Random ragged steps for kernel-vs-reference tests: real allocator, tables and pools, tiny dims.
+
+`make_case` allocates each request's cached prefix in earlier steps (in chunks, so SWA and state
+pages are evicted and tables hold stale entries) and then this step's tokens, and fills the pools
+with random values. With `poison`, every row no reference read needs holds NaN (and +-inf), so a
+kernel that lets a masked or padded row reach its output fails.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsv4serve.attention.metadata import BatchItem, ForwardBatch, build_forward_batch
+from dsv4serve.attention.rope import RopeTables
+from dsv4serve.attention.step import StepMeta, prepare_step
+from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.memory.allocator import KVAllocator, Refusal
+from dsv4serve.memory.paged import PoolSizes
+from dsv4serve.memory.pools import KVPools, flat
+from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
+
+
+def kernel_model(**changes: Any) -> ModelConfig:
+    raw: dict[str, Any] = {
+        "num_hidden_layers": 3,
+        "compress_ratios": [0, 4, 16],
+        "hidden_size": 48,
+        "num_attention_heads": 4,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 5,
+        "sliding_window": 12,
+        "vocab_size": 100,
+        "max_position_embeddings": 1024,
+        **changes,
+    }
+    return ModelConfig.from_dict(raw)
+
+
+@dataclass
+class Case:
+    cfg: ModelConfig
+    engine: EngineConfig
+    tables: SlotTables
+    pools: KVPools
+    batch: ForwardBatch
+    ref: StepMeta  # with the reference geometry
+    fused: StepMeta  # without
+    rope: RopeTables
+
+    def sentinels(self) -> dict[int, int]:
+        return {
+            4: self.pools.state_sentinel["c4_state"],
+            self.cfg.hca_ratio: self.pools.state_sentinel["c128_state"],
+        }
+
+
+def make_case(
+    seed: int,
+    requests: Sequence[tuple[int, int]],
+    *,
+    page_size: int = 4,
+    state_mode: str = "paged",
+    dtype: str = "float32",
+    poison: bool = False,
+    cfg: ModelConfig | None = None,
+    pad_windows: bool = False,
+) -> Case:
+    """requests: (cached prefix, new tokens this step) per request."""
+    cfg = cfg or kernel_model()
+    rng = random.Random(seed)
+    longest = max(p + n for p, n in requests)
+    engine = EngineConfig(
+        device="cpu",
+        dtype=dtype,
+        page_size=page_size,
+        max_num_seqs=len(requests) + 1,
+        max_num_batched_tokens=max(64, sum(n for _, n in requests)),
+        max_total_tokens=(len(requests) + 2) * (longest + 64),
+        state_mode=state_mode,
+    )
+    sizes = PoolSizes.for_engine(cfg, engine)
+    alloc = KVAllocator(cfg, engine, sizes)
+    tables = SlotTables(cfg, engine)
+    if rng.random() < 0.5:  # an earlier request leaves stale entries behind in the rows
+        _filler(alloc, tables, longest)
+    items, step = [], 0
+    for i, (prefix, _) in enumerate(requests):
+        done = 0
+        while done < prefix:  # the cached prefix, in random chunks over earlier steps
+            n = min(prefix - done, rng.randint(1, 3 * page_size))
+            _alloc(alloc, tables, f"r{i}", done, done + n, step)
+            done, step = done + n, step + 1
+    for i, (prefix, new) in enumerate(requests):
+        locs = _alloc(alloc, tables, f"r{i}", prefix, prefix + new, step)
+        ids = [rng.randrange(cfg.vocab_size) for _ in range(new)]
+        items.append(BatchItem(locs.row, prefix, ids, True))
+    batch = build_forward_batch(items, cfg.compress_ratio_set, "cpu")
+    if pad_windows:
+        batch = _padded_windows(batch, rng)
+    pools = KVPools(cfg, sizes, engine)
+    rope = RopeTables.build(cfg, engine.resolved_max_model_len(cfg) + 1, "cpu")
+    case = Case(cfg, engine, tables, pools, batch, None, None, rope)  # type: ignore[arg-type]
+    case.ref = prepare_step(batch, tables, rope, cfg.sliding_window, case.sentinels(), with_geometry=True)
+    case.fused = prepare_step(batch, tables, rope, cfg.sliding_window, case.sentinels(), with_geometry=False)
+    _fill(case, torch.Generator().manual_seed(seed), poison)
+    return case
+
+
+def _alloc(alloc: KVAllocator, tables: SlotTables, rid: str, lo: int, hi: int, step: int) -> Any:
+    locs = alloc.allocate(rid, lo, hi, step)
+    assert not isinstance(locs, Refusal), locs
+    write_cache_locs_batch(tables, [locs])
+    return locs
+
+
+def _filler(alloc: KVAllocator, tables: SlotTables, length: int) -> None:
+    _alloc(alloc, tables, "old", 0, length, 0)
+    alloc.free("old")
+
+
+def _padded_windows(batch: ForwardBatch, rng: random.Random) -> ForwardBatch:
+    """Window lists with padding entries (index -1) mixed in, as a captured decode step has them."""
+    from dsv4serve.attention.metadata import WindowMeta
+
+    windows = {}
+    for r, win in batch.windows.items():
+        n = win.index.numel()
+        extra = rng.randint(1, 3)
+        order = torch.randperm(n + extra, generator=torch.Generator().manual_seed(rng.randrange(99)))
+        req = torch.cat([win.req, torch.zeros(extra, dtype=torch.int64)])[order]
+        index = torch.cat([win.index, torch.full((extra,), -1, dtype=torch.int64)])[order]
+        windows[r] = WindowMeta(req=req, index=index)
+    return ForwardBatch(**{**batch.__dict__, "windows": windows})
+
+
+def _fill(case: Case, gen: torch.Generator, poison: bool) -> None:
+    """Random values in every pool; with `poison`, NaN / inf in every row no reference read needs."""
+    p = case.pools
+    families: list[tuple[dict[int, torch.Tensor] | list[torch.Tensor], str]] = [
+        (p.swa, "swa"),
+        (p.c4, "c4"),
+        (p.c4_index, "c4"),
+        (p.c128, "c128"),
+        (p.c4_state, "c4_state"),
+        (p.c4_index_state, "c4_state"),
+        (p.c128_state, "c128_state"),
+    ]
+    live = _live_slots(case) if poison else {}
+    for buffers, pool in families:
+        for t in buffers.values() if isinstance(buffers, dict) else buffers:
+            rows = flat(t)
+            rows.copy_(torch.randn(rows.shape, generator=gen).to(rows.dtype))
+            if pool.endswith("state"):  # a score half of moderate size
+                rows[:, rows.shape[1] // 2 :] = torch.randn(rows.shape[0], rows.shape[1] // 2, generator=gen)
+            if poison:
+                keep = live.get(pool, torch.zeros(0, dtype=torch.long))
+                values = rows[keep].clone()
+                bad = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=rows.dtype)
+                rows.copy_(bad[torch.randint(0, 3, rows.shape, generator=gen)])
+                rows[keep] = values
+
+
+def _live_slots(case: Case) -> dict[str, torch.Tensor]:
+    """Slots a correct step reads (visible windows and entries, stored state rows)."""
+    geo = case.ref.geometry
+    assert geo is not None
+    out = {"swa": geo.window_slots[geo.window_visible]}
+    for r, cg in geo.compress.items():
+        pool = "c4" if r == 4 else "c128"
+        out[pool] = cg.entry_slots[cg.entry_visible]
+        win = case.batch.windows[r]
+        stored = (~cg.fresh) & (cg.window_pos >= 0) & (win.index >= 0)[:, None]
+        out[f"{pool}_state"] = cg.state_read[stored]
+    return out
