@@ -173,6 +173,9 @@ def _engine_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--state-mode", choices=STATE_MODES, default=d.state_mode, help="compressor state layout")
     p.add_argument("--seed", type=int, default=d.seed, help="engine sampling seed")
     p.add_argument("--weight-quant", choices=("int8",), default=None, help="W8A8 projections at load")
+    p.add_argument(
+        "--no-graphs", dest="graphs", action="store_false", help="run decode steps eagerly (no CUDA graphs)"
+    )
     p.add_argument("--log-level", choices=LEVELS, default="warning", help="stderr log level")
 
 
@@ -186,6 +189,7 @@ ENGINE_FLAGS = (
     "state_mode",
     "seed",
     "weight_quant",
+    "graphs",
 )
 
 

@@ -329,6 +329,7 @@ class EngineConfig:
     state_mode: compressor state layout, "paged" (own allocator, Ascend cache_mode=1) or "ring"
         (request-scoped rings, cache_mode=2).
     seed: engine-wide sampling seed used when a request gives none.
+    graphs: capture decode steps as device graphs (CUDA), by batch-size and context buckets.
     weight_quant: None, or "int8" to quantize the attention and expert projections to W8A8 (dynamic
         per-token activations, per-channel weights) at load.
     """
@@ -343,6 +344,7 @@ class EngineConfig:
     state_mode: str = "paged"
     seed: int = 0
     weight_quant: str | None = None
+    graphs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICES:
@@ -363,6 +365,8 @@ class EngineConfig:
             raise ConfigError(f"state_mode: {self.state_mode!r} is not one of {STATE_MODES}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed: expected an int, got {self.seed!r}")
+        if not isinstance(self.graphs, bool):
+            raise ConfigError(f"graphs: expected a bool, got {self.graphs!r}")
         if self.weight_quant not in (None, "int8"):
             raise ConfigError(f"weight_quant: {self.weight_quant!r} is not None or 'int8'")
 

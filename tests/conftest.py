@@ -1,13 +1,19 @@
-"""Shared fixtures: one tiny checkpoint per test session."""
+"""Shared fixtures: one tiny checkpoint per test session; Triton in its interpreter without a GPU."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tests.triton_interpreter import patch_bf16_dot
+
+    patch_bf16_dot()
 
 
 @pytest.fixture(scope="session")

@@ -27,15 +27,22 @@ ENGINE = tiny_engine(max_num_seqs=3, max_total_tokens=200)
 def test_table_shapes_and_zero_init() -> None:
     tables = SlotTables(TINY, ENGINE, "cpu")
     shapes = {name: tuple(tables.table(name).shape) for name in POOL_NAMES}
-    assert shapes == {
-        "full": (3, 200),
-        "swa": (3, 200),
-        "c4": (3, 51),
-        "c128": (3, 13),
-        "c4_state": (3, 200),
-        "c128_state": (3, 200),
+    assert shapes == {  # one row per request, plus the pad row
+        "full": (4, 200),
+        "swa": (4, 200),
+        "c4": (4, 51),
+        "c128": (4, 13),
+        "c4_state": (4, 200),
+        "c128_state": (4, 200),
     }
+    assert tables.pad_row == 3
     assert all(tables.table(n).dtype == torch.int32 and not tables.table(n).any() for n in POOL_NAMES)
+    tables.point_pad_row_at({"c4_state": 7, "c128_state": 9})
+    assert (
+        (tables.c4_state[3] == 7).all()
+        and (tables.c128_state[3] == 9).all()
+        and not tables.c4_state[:3].any()
+    )
 
 
 def test_write_cache_locs_puts_each_field_at_its_index_range() -> None:

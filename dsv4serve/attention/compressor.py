@@ -23,10 +23,17 @@ from dsv4serve.attention.rope import apply_rope
 
 @dataclass(frozen=True)
 class CompressorWeights:
-    wkv: torch.Tensor  # (coff*d, hidden)
-    wgate: torch.Tensor  # (coff*d, hidden)
+    wkv_gate: torch.Tensor  # (2*coff*d, hidden): [Wkv; Wgate], one GEMM for both
     ape: torch.Tensor  # (r, coff*d) fp32
     norm: torch.Tensor  # (d,)
+
+    @property
+    def wkv(self) -> torch.Tensor:
+        return self.wkv_gate[: self.wkv_gate.shape[0] // 2]  # (coff*d, hidden)
+
+    @property
+    def wgate(self) -> torch.Tensor:
+        return self.wkv_gate[self.wkv_gate.shape[0] // 2 :]
 
 
 def compress_step(

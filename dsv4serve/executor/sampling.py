@@ -27,6 +27,7 @@ class SamplingBatch:
     position: torch.Tensor  # (S,) int64 position of the token being sampled
     all_greedy: bool = False  # host-known: skip the random draw
     needs_filter: bool = True  # host-known: some row uses top-k or top-p
+    want_logprobs: bool = True  # host-known: some row asked for logprobs (else skip the logsumexp)
 
     @classmethod
     def build(
@@ -37,6 +38,7 @@ class SamplingBatch:
         seed: Sequence[int],
         position: Sequence[int],
         device: torch.device | str,
+        want_logprobs: bool = True,
     ) -> SamplingBatch:
         def f(v: Sequence[float]) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.float32).to(device)
@@ -46,7 +48,9 @@ class SamplingBatch:
 
         all_greedy = all(t == 0 for t in temperature)
         needs_filter = any(k > 0 for k in top_k) or any(p < 1 for p in top_p)
-        return cls(f(temperature), f(top_p), i(top_k), i(seed), i(position), all_greedy, needs_filter)
+        return cls(
+            f(temperature), f(top_p), i(top_k), i(seed), i(position), all_greedy, needs_filter, want_logprobs
+        )
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -77,11 +81,16 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (S, V) -> (token ids (S,), logprobs of those tokens under the model's distribution (S,))."""
+    """logits (S, V) -> (token ids (S,), logprobs of those tokens under the model's distribution (S,)).
+
+    Without `want_logprobs` the logprobs are zeros: no full-vocabulary logsumexp is run.
+    """
     logits = logits.float()
-    log_z = torch.logsumexp(logits, dim=-1)  # (S,): chosen logprob = logit - log Z, no (S, V) log_softmax
 
     def logprob(tokens: torch.Tensor) -> torch.Tensor:
+        if not params.want_logprobs:
+            return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        log_z = torch.logsumexp(logits, dim=-1)  # (S,): chosen logprob = logit - log Z, no log_softmax
         return logits.gather(1, tokens[:, None]).squeeze(1) - log_z
 
     greedy = logits.argmax(dim=-1)

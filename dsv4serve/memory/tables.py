@@ -17,14 +17,17 @@ from dsv4serve.protocol import CacheLocs
 
 
 class SlotTables:
-    """Rows = max_num_seqs; L = the resolved max model length; R = the HCA ratio.
+    """Rows = max_num_seqs + 1; L = the resolved max model length; R = the HCA ratio.
 
     full, swa, c4_state, c128_state: [rows, L] indexed by raw position;
     c4: [rows, L // 4 + 1] and c128: [rows, L // R + 1] indexed by compressed index.
+    The last row (`pad_row`) is never a request's: padding tokens of a fixed-shape (graph) step use it,
+    so every slot they address is a sentinel (`point_pad_row_at` sets its state entries).
     """
 
     def __init__(self, model: ModelConfig, engine: EngineConfig, device: str | torch.device | None = None):
-        rows, length = engine.max_num_seqs, engine.resolved_max_model_len(model)
+        rows, length = engine.max_num_seqs + 1, engine.resolved_max_model_len(model)
+        self.pad_row = engine.max_num_seqs
         self.hca_ratio = model.hca_ratio
         dev = torch.device(device if device is not None else engine.device)
         widths = {
@@ -38,6 +41,11 @@ class SlotTables:
         make = {name: torch.zeros(rows, w, dtype=torch.int32, device=dev) for name, w in widths.items()}
         self.full, self.swa, self.c4 = make["full"], make["swa"], make["c4"]
         self.c128, self.c4_state, self.c128_state = make["c128"], make["c4_state"], make["c128_state"]
+
+    def point_pad_row_at(self, state_sentinels: dict[str, int]) -> None:
+        """The pad row's state entries address the state pools' sentinels (0 is a real slot in ring mode)."""
+        for pool, slot in state_sentinels.items():
+            self.table(pool)[self.pad_row].fill_(slot)
 
     def table(self, pool: str) -> torch.Tensor:
         assert pool in POOL_NAMES, pool

@@ -62,8 +62,7 @@ def _t(w: Weights, name: str) -> torch.Tensor:
 
 def _compressor(w: Weights, prefix: str) -> CompressorWeights:
     return CompressorWeights(
-        wkv=_t(w, f"{prefix}.wkv.weight"),
-        wgate=_t(w, f"{prefix}.wgate.weight"),
+        wkv_gate=torch.cat([_t(w, f"{prefix}.wkv.weight"), _t(w, f"{prefix}.wgate.weight")]),
         ape=_t(w, f"{prefix}.ape"),
         norm=_t(w, f"{prefix}.norm.weight"),
     )

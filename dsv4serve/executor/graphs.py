@@ -1,0 +1,182 @@
+"""Decode steps as CUDA graphs, captured per (batch bucket, context bucket, sampling mode) and replayed.
+
+A decode step (every item one token that samples) is padded to the next batch bucket with items on
+the tables' pad row (every slot they touch is a sentinel, no window closes), and its `max_seq_len` is
+rounded up to a context bucket, so the per-token entry lists follow live context, not max_model_len.
+Every input lives in two static device buffers (int64 and fp32) that one host->device copy refills
+per step; the forward and the sampler then replay with no Python in between. Capture runs on a
+batch of padding only, so neither the warm-up nor the capture writes a live pool row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv4serve.attention.metadata import ForwardBatch, WindowMeta
+from dsv4serve.executor.sampling import SamplingBatch
+from dsv4serve.protocol import StepItem
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+MIN_CONTEXT = 256
+MASK32 = 0xFFFFFFFF
+
+StepFn = Callable[[ForwardBatch, SamplingBatch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int  # padded number of requests
+    context: int  # bound on every request's length after the step
+    greedy: bool
+    filtered: bool  # some row uses top-k / top-p
+    logprobs: bool
+
+
+def is_decode(items: Sequence[StepItem]) -> bool:
+    return bool(items) and all(len(i.token_ids) == 1 and i.sample for i in items)
+
+
+def batch_bucket(n: int, limit: int) -> int | None:
+    return next((b for b in BATCH_BUCKETS if b >= n and b <= max(limit, 1)), None)
+
+
+def context_bucket(longest: int, max_len: int) -> int:
+    bucket = MIN_CONTEXT
+    while bucket < longest:
+        bucket *= 2
+    return min(bucket, max_len)
+
+
+class _Graph:
+    """One captured step: static inputs (views of `ints` / `floats`), the graph, static outputs."""
+
+    def __init__(self, key: GraphKey, ratios: Sequence[int], device: torch.device) -> None:
+        B = self.batch = key.batch
+        self.key, self.ratios = key, tuple(ratios)
+        names = ["input_ids", "positions", "token_req", "rows", "prefix_lens", "seq_lens", "cu_seqlens"]
+        names += ["sample_index", *(f"{p}{r}" for r in ratios for p in ("win_req", "win_index"))]
+        names += ["top_k", "seed", "sample_pos"]
+        sizes = [B + 1 if n == "cu_seqlens" else B for n in names]
+        self.offsets = dict(zip(names, (sum(sizes[:i]) for i in range(len(sizes))), strict=True))
+        self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        self.floats = torch.zeros(2 * B, dtype=torch.float32, device=device)
+        self.host_ints = torch.zeros(self.ints.shape, dtype=torch.int64).pin_memory()
+        self.host_floats = torch.zeros(self.floats.shape, dtype=torch.float32).pin_memory()
+        self.host_tokens = torch.zeros(B, dtype=torch.int64).pin_memory()
+        self.host_logprobs = torch.zeros(B, dtype=torch.float32).pin_memory()
+        v = {n: self.ints[o : o + s] for (n, o), s in zip(self.offsets.items(), sizes, strict=True)}
+        self.forward_batch = ForwardBatch(
+            **{n: v[n] for n in names[:8]},
+            max_seq_len=key.context,
+            windows={r: WindowMeta(req=v[f"win_req{r}"], index=v[f"win_index{r}"]) for r in ratios},
+        )
+        self.params = SamplingBatch(
+            self.floats[:B], self.floats[B:], v["top_k"], v["seed"], v["sample_pos"],
+            key.greedy, key.filtered, key.logprobs,
+        )  # fmt: skip
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tokens = self.logprobs = self.logits = torch.zeros(0)
+        self.done = torch.cuda.Event()
+
+    def fill(self, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int) -> None:
+        """Write the step's inputs (items, then padding) into the pinned host buffers."""
+        B, n = self.batch, len(items)
+        ints, floats, off = self.host_ints.numpy(), self.host_floats.numpy(), self.offsets
+        prefix = [i.prefix_len for i in items]
+
+        def put(name: str, values: Sequence[int], fill: int) -> None:
+            ints[off[name] : off[name] + n] = values
+            ints[off[name] + n : off[name] + B] = fill
+
+        put("input_ids", [i.token_ids[0] for i in items], 0)
+        put("positions", prefix, 0)
+        put("rows", [i.row for i in items], pad_row)
+        put("prefix_lens", prefix, 0)
+        put("seq_lens", [p + 1 for p in prefix], 1)
+        for r in self.ratios:
+            put(f"win_index{r}", [(p + 1) // r - 1 if (p + 1) % r == 0 else -1 for p in prefix], -1)
+        put("top_k", [i.sampling.top_k & MASK32 for i in items], 0)
+        put("seed", [s & MASK32 for s in seeds], 0)
+        put("sample_pos", [p + 1 for p in prefix], 1)
+        for name in ("token_req", "sample_index", *(f"win_req{r}" for r in self.ratios)):
+            ints[off[name] : off[name] + B] = range(B)
+        ints[off["cu_seqlens"] : off["cu_seqlens"] + B + 1] = range(B + 1)
+        floats[:n] = [i.sampling.temperature for i in items]
+        floats[B : B + n] = [i.sampling.top_p for i in items]
+        floats[n:B] = 0.0
+        floats[B + n :] = 1.0
+
+    def upload(self) -> None:
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.floats.copy_(self.host_floats, non_blocking=True)
+
+    def capture(self, step: StepFn, pad_row: int, pool: object) -> None:
+        self.fill((), (), pad_row)
+        self.upload()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compiles the kernels of these shapes
+            step(self.forward_batch, self.params)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]
+            self.tokens, self.logprobs, self.logits = step(self.forward_batch, self.params)
+        self.graph = graph
+
+    def replay(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.graph is not None
+        self.upload()
+        self.graph.replay()
+        self.host_tokens.copy_(self.tokens, non_blocking=True)
+        self.host_logprobs.copy_(self.logprobs, non_blocking=True)
+        self.done.record()
+        self.done.synchronize()  # releases the GIL while the GPU works
+        return self.host_tokens, self.host_logprobs
+
+
+class DecodeGraphs:
+    """The captured decode steps of one runner, by key; captured lazily on first use."""
+
+    def __init__(
+        self,
+        step: StepFn,
+        ratios: Sequence[int],
+        max_seqs: int,
+        max_len: int,
+        pad_row: int,
+        device: torch.device,
+    ) -> None:
+        self.step, self.ratios, self.max_seqs, self.max_len = step, tuple(ratios), max_seqs, max_len
+        self.pad_row, self.device = pad_row, device
+        self.graphs: dict[GraphKey, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def key(self, items: Sequence[StepItem]) -> GraphKey | None:
+        """The graph a step replays, or None when it must run eagerly."""
+        if not is_decode(items):
+            return None
+        batch = batch_bucket(len(items), self.max_seqs)
+        if batch is None:
+            return None
+        greedy = all(i.sampling.temperature == 0 for i in items)
+        filtered = not greedy and any(i.sampling.top_k > 0 or i.sampling.top_p < 1 for i in items)
+        logprobs = any(i.sampling.logprobs for i in items)
+        context = context_bucket(max(i.seq_len for i in items), self.max_len)
+        return GraphKey(batch, context, greedy, filtered, logprobs)
+
+    def run(
+        self, key: GraphKey, items: Sequence[StepItem], seeds: Sequence[int], keep_logits: bool = False
+    ) -> tuple[list[int], list[float], torch.Tensor | None]:
+        """Sampled ids and logprobs of the items (and a copy of their logits if asked)."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _Graph(key, self.ratios, self.device)
+            graph.capture(self.step, self.pad_row, self.pool)
+        graph.fill(items, seeds, self.pad_row)
+        tokens, logprobs = graph.replay()
+        n = len(items)
+        logits = graph.logits[:n].clone() if keep_logits else None
+        return tokens[:n].tolist(), logprobs[:n].tolist(), logits

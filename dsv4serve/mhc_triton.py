@@ -1,0 +1,208 @@
+"""Triton mHC kernels (the contracts of `mhc.hc_pre` / `mhc.hc_post`).
+
+hc_pre runs as two kernels: `_mix_partials` splits the fp32 GEMV `h_flat @ fn^T` (and the sum of
+squares of h_flat) over a fixed number of K-slices, so a single decode token keeps many SMs busy;
+`_hc_pre_epilogue` sums the slices in a fixed order (the result never depends on the batch), applies
+the sigmoids and the Sinkhorn iterations, collapses the streams and RMSNorms the block input.
+hc_post is one elementwise kernel with the reference's rounding steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4serve.mhc import HcParams, HyperConnection
+from dsv4serve.triton_utils import pow2
+
+BLOCK_K = 128
+MAX_SPLITS = 16
+MIX_ROWS = 32  # (2 + hc) * hc = 24 mixes, padded
+
+
+@triton.jit
+def _mix_partials_kernel(
+    h_ptr,
+    fn_ptr,
+    ws_ptr,
+    T,
+    K,
+    K_PER_SPLIT,
+    NUM_MIX,
+    stride_ht,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MIX_ROWS: tl.constexpr,
+):
+    """ws[s, t, :NUM_MIX] = h[t, k-slice s] @ fn[:, k-slice s]^T; ws[s, t, MIX_ROWS - 1] = sum h^2."""
+    tb = tl.program_id(0)
+    s = tl.program_id(1)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    r = tl.arange(0, MIX_ROWS)
+    rmask = r < NUM_MIX
+    acc = tl.zeros((BLOCK_T, MIX_ROWS), tl.float32)
+    sumsq = tl.zeros((BLOCK_T,), tl.float32)
+    k_lo = s * K_PER_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        h = tl.load(
+            h_ptr + t.to(tl.int64)[:, None] * stride_ht + k[None, :], mask=tmask[:, None] & kmask[None, :]
+        )
+        h = h.to(tl.float32)
+        fn = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.dot(h, tl.trans(fn), input_precision="ieee")
+        sumsq += tl.sum(h * h, axis=1)
+    acc = tl.where(r[None, :] == MIX_ROWS - 1, sumsq[:, None], acc)
+    dst = ws_ptr + (s * T + t.to(tl.int64))[:, None] * MIX_ROWS + r[None, :]
+    tl.store(dst, acc, mask=tmask[:, None])
+
+
+@triton.jit
+def _mix_sum(ws_ptr, t, T, offs, SPLITS: tl.constexpr, MIX_ROWS: tl.constexpr):
+    total = tl.zeros(offs.shape, tl.float32)
+    for s in tl.static_range(SPLITS):
+        total += tl.load(ws_ptr + (s * T + t) * MIX_ROWS + offs)
+    return total
+
+
+@triton.jit
+def _hc_pre_epilogue_kernel(
+    h_ptr,
+    ws_ptr,
+    base_ptr,
+    scale_ptr,
+    norm_ptr,
+    x_ptr,
+    post_ptr,
+    comb_ptr,
+    T,
+    D,
+    K,
+    stride_ht,
+    stride_hn,
+    norm_eps,
+    hc_eps,
+    ITERS: tl.constexpr,
+    HC: tl.constexpr,
+    SPLITS: tl.constexpr,
+    MIX_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    DTYPE = h_ptr.dtype.element_ty
+    n = tl.arange(0, HC)
+    sumsq = 0.0
+    for s in tl.static_range(SPLITS):
+        sumsq += tl.load(ws_ptr + (s * T + t) * MIX_ROWS + MIX_ROWS - 1)
+    rs = tl.rsqrt(sumsq / K + norm_eps)  # the RMS of the flat streams
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(_mix_sum(ws_ptr, t, T, n, SPLITS, MIX_ROWS) * rs * s0 + tl.load(base_ptr + n)) + hc_eps
+    post = 2.0 * tl.sigmoid(
+        _mix_sum(ws_ptr, t, T, HC + n, SPLITS, MIX_ROWS) * rs * s1 + tl.load(base_ptr + HC + n)
+    )
+    cm = 2 * HC + n[:, None] * HC + n[None, :]  # (HC, HC): row m, column n of comb
+    logits = _mix_sum(ws_ptr, t, T, cm, SPLITS, MIX_ROWS) * rs * s2 + tl.load(base_ptr + cm)
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(post_ptr + t * HC + n, post)
+    tl.store(comb_ptr + t * HC * HC + n[:, None] * HC + n[None, :], comb)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    hs = tl.load(h_ptr + t * stride_ht + n[:, None] * stride_hn + d[None, :], mask=dmask[None, :], other=0.0)
+    collapsed = tl.sum(pre[:, None] * hs.to(tl.float32), axis=0).to(DTYPE).to(tl.float32)  # (BLOCK_D,)
+    scale = tl.rsqrt(tl.sum(collapsed * collapsed, axis=0) / D + norm_eps)
+    w = tl.load(norm_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + t * D + d, (w * (collapsed * scale)).to(x_ptr.dtype.element_ty), mask=dmask)
+
+
+def hc_pre(
+    h: torch.Tensor, hc: HyperConnection, norm_weight: torch.Tensor, p: HcParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, n, D = h.shape
+    assert n == p.mult and n & (n - 1) == 0 and (2 + n) * n < MIX_ROWS, n
+    assert h.stride(-1) == 1 and h.stride(1) == D, "streams must be contiguous per token"
+    assert hc.fn.dtype == torch.float32 and hc.fn.is_contiguous() and hc.fn.shape == ((2 + n) * n, n * D)
+    x = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    post = torch.empty(T, n, dtype=torch.float32, device=h.device)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=h.device)
+    if T == 0:
+        return x, post, comb
+    K = n * D
+    splits = min(MAX_SPLITS, triton.cdiv(K, BLOCK_K))
+    per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    ws = torch.empty(splits, T, MIX_ROWS, dtype=torch.float32, device=h.device)
+    block_t = 16
+    _mix_partials_kernel[(triton.cdiv(T, block_t), splits)](
+        h, hc.fn, ws, T, K, per_split, (2 + n) * n, h.stride(0),
+        BLOCK_T=block_t, BLOCK_K=BLOCK_K, MIX_ROWS=MIX_ROWS, num_warps=4,
+    )  # fmt: skip
+    _hc_pre_epilogue_kernel[(T,)](
+        h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, h.stride(0), h.stride(1),
+        p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, SPLITS=splits, MIX_ROWS=MIX_ROWS,
+        BLOCK_D=pow2(D), num_warps=8 if D >= 2048 else 4,
+    )  # fmt: skip
+    return x, post, comb
+
+
+@triton.jit
+def _hc_post_kernel(
+    out_ptr,
+    h_ptr,
+    post_ptr,
+    comb_ptr,
+    new_ptr,
+    D,
+    stride_ot,
+    stride_ht,
+    stride_hn,
+    HC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """new[t, n] = post[t, n] * out[t] + sum_m comb[t, m, n] * h[t, m], rounded as the reference."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    dmask = d < D
+    DTYPE = h_ptr.dtype.element_ty
+    m = tl.arange(0, HC)
+    out = tl.load(out_ptr + t * stride_ot + d, mask=dmask, other=0.0).to(tl.float32)
+    hs = tl.load(h_ptr + t * stride_ht + m[:, None] * stride_hn + d[None, :], mask=dmask[None, :], other=0.0)
+    hs = hs.to(tl.float32)
+    for n in tl.static_range(HC):
+        p = tl.load(post_ptr + t * HC + n).to(DTYPE).to(tl.float32)
+        c = tl.load(comb_ptr + t * HC * HC + m * HC + n).to(DTYPE).to(tl.float32)  # column n
+        mixed = tl.sum(c[:, None] * hs, axis=0).to(DTYPE).to(tl.float32)
+        value = ((p * out).to(DTYPE).to(tl.float32) + mixed).to(new_ptr.dtype.element_ty)
+        tl.store(new_ptr + t * stride_ht + n * stride_hn + d, value, mask=dmask)
+
+
+def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    T, n, D = h.shape
+    assert out.shape == (T, D) and out.stride(-1) == 1 and h.is_contiguous()
+    assert post.is_contiguous() and comb.is_contiguous() and post.dtype == comb.dtype == torch.float32
+    new = torch.empty_like(h)
+    if T:
+        block = min(pow2(D), 1024)
+        _hc_post_kernel[(T, triton.cdiv(D, block))](
+            out,
+            h,
+            post,
+            comb,
+            new,
+            D,
+            out.stride(0),
+            h.stride(0),
+            h.stride(1),
+            HC=n,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return new

@@ -1,0 +1,224 @@
+"""Triton routed experts: a grouped GEMM over the chosen experts only (the contract of
+`experts.routed_experts_reference`), float or W8A8 int8.
+
+1. align (torch ops, fixed shapes, no host sync): the T*k (token, slot) pairs sorted by expert (stable),
+   each expert's run padded to a multiple of BLOCK_M; every block of BLOCK_M pairs has one expert.
+2. gate/up: per block, x rows of its pairs times W1[e] and W3[e], the clamped SwiGLU in the epilogue.
+3. down: per block, times W2[e], scaled by each pair's routing weight, one row per pair.
+4. reduce: each token sums its k rows in slot order (fixed: the result never depends on the batch).
+Blocks past the last real one (the grid is sized for the worst case) do nothing. int8 quantizes x per
+token and the SwiGLU output per pair (the reference's per-row activation quantization).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4serve.quant import Int8Weight, Weight
+from dsv4serve.quant_triton import quantize_rows
+from dsv4serve.triton_utils import pow2
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair id per padded row (blocks * block_m,), n = padding; expert per block (blocks,), E = none)."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    max_blocks = triton.cdiv(n, block_m) + min(n, num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m  # (E,)
+    block_end = torch.cumsum(blocks, 0)
+    order = torch.sort(flat, stable=True).indices  # pairs by expert, in token order within one
+    expert = flat[order]
+    rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    pairs = torch.full((max_blocks * block_m,), n, dtype=torch.int64, device=ids.device)
+    pairs[(block_end - blocks)[expert] * block_m + rank] = order
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=ids.device), right=True)
+    return pairs, block_expert
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w1_ptr,
+    w3_ptr,
+    s1_ptr,
+    s3_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    h_ptr,
+    NUM_PAIRS,
+    NUM_EXPERTS,
+    TOPK,
+    HIDDEN,
+    INTER,
+    stride_x,
+    limit,
+    INT8: tl.constexpr,
+    FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    b = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    DTYPE = h_ptr.dtype.element_ty
+    e = tl.load(block_expert_ptr + b)
+    live = e < NUM_EXPERTS
+    ee = tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64)
+    r = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + r)
+    pmask = (pair < NUM_PAIRS) & live
+    tok = (tl.minimum(pair, NUM_PAIRS - 1) // TOPK).to(tl.int64)
+    nmask = n < INTER
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
+    w_rows = ee * INTER * HIDDEN + n.to(tl.int64)[:, None] * HIDDEN
+    for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < HIDDEN
+        a = tl.load(
+            x_ptr + tok[:, None] * stride_x + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
+        )
+        wmask = nmask[:, None] & kmask[None, :]
+        w1 = tl.load(w1_ptr + w_rows + k[None, :], mask=wmask, other=0)
+        w3 = tl.load(w3_ptr + w_rows + k[None, :], mask=wmask, other=0)
+        if FP32:
+            acc_g += tl.dot(a, tl.trans(w1), input_precision="ieee")
+            acc_u += tl.dot(a, tl.trans(w3), input_precision="ieee")
+        else:
+            acc_g += tl.dot(a, tl.trans(w1))
+            acc_u += tl.dot(a, tl.trans(w3))
+    if INT8:
+        xs = tl.load(x_scale_ptr + tok, mask=pmask, other=0.0)[:, None]
+        gate = acc_g.to(tl.float32) * xs * tl.load(s1_ptr + ee * INTER + n, mask=nmask, other=0.0)[None, :]
+        up = acc_u.to(tl.float32) * xs * tl.load(s3_ptr + ee * INTER + n, mask=nmask, other=0.0)[None, :]
+    else:
+        gate, up = acc_g, acc_u
+    gate = tl.minimum(gate.to(DTYPE).to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(up.to(DTYPE).to(tl.float32), -limit), limit)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    h = (silu * up).to(DTYPE)
+    tl.store(h_ptr + r.to(tl.int64)[:, None] * INTER + n[None, :], h, mask=live & nmask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    h_scale_ptr,
+    w2_ptr,
+    s2_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    route_ptr,
+    y_ptr,
+    NUM_PAIRS,
+    NUM_EXPERTS,
+    HIDDEN,
+    INTER,
+    INT8: tl.constexpr,
+    FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    b = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    DTYPE = y_ptr.dtype.element_ty
+    e = tl.load(block_expert_ptr + b)
+    live = e < NUM_EXPERTS
+    ee = tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64)
+    r = (b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair = tl.load(pairs_ptr + r)
+    pmask = (pair < NUM_PAIRS) & live
+    nmask = n < HIDDEN
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
+    w_rows = ee * HIDDEN * INTER + n.to(tl.int64)[:, None] * INTER
+    for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < INTER
+        a = tl.load(h_ptr + r[:, None] * INTER + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0)
+        w = tl.load(w2_ptr + w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+        if FP32:
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
+    if INT8:
+        hs = tl.load(h_scale_ptr + r, mask=pmask, other=0.0)[:, None]
+        y = acc.to(tl.float32) * hs * tl.load(s2_ptr + ee * HIDDEN + n, mask=nmask, other=0.0)[None, :]
+    else:
+        y = acc
+    weight = tl.load(route_ptr + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
+    y = (y.to(DTYPE).to(tl.float32) * weight).to(DTYPE)
+    tl.store(y_ptr + pair[:, None] * HIDDEN + n[None, :], y, mask=pmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < HIDDEN
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j) * HIDDEN + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * HIDDEN + c, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tiles(num_pairs: int, fp32: bool, int8: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row blocks for decode-sized batches."""
+    if num_pairs <= 2048:
+        return 16, 64, 32 if fp32 else (64 if int8 else 128), 4
+    return 64, 128, 32 if fp32 else 64, 8
+
+
+def routed_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: Weight,
+    w2: Weight,
+    w3: Weight,
+    limit: float,
+) -> torch.Tensor:
+    T, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts, inter, _ = w1.shape
+    assert x.is_contiguous() and ids.shape == weights.shape and w2.shape == (num_experts, hidden, inter)
+    int8 = isinstance(w1, Int8Weight)
+    assert int8 == isinstance(w2, Int8Weight) == isinstance(w3, Int8Weight)
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    num_pairs = T * top_k
+    fp32 = x.dtype == torch.float32
+    bm, bn, bk, warps = _tiles(num_pairs, fp32, int8)
+    pairs, block_expert = align(ids.long(), num_experts, bm)
+    num_blocks = block_expert.numel()
+    h = torch.empty(num_blocks * bm, inter, dtype=x.dtype, device=x.device)
+    if isinstance(w1, Int8Weight) and isinstance(w3, Int8Weight):
+        xq, xs = quantize_rows(x)
+        a, a_scale, q1, q3, s1, s3 = xq, xs, w1.qweight, w3.qweight, w1.scale, w3.scale
+    else:
+        assert isinstance(w1, torch.Tensor) and isinstance(w3, torch.Tensor)
+        a, a_scale, q1, q3, s1, s3 = x, x, w1, w3, x, x
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
+        a, a_scale, q1, q3, s1, s3, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
+        a.stride(0), limit, INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        num_stages=3,
+    )  # fmt: skip
+    if isinstance(w2, Int8Weight):
+        hq, hs = quantize_rows(h)
+        a2, a2_scale, q2, s2 = hq, hs, w2.qweight, w2.scale
+    else:
+        a2, a2_scale, q2, s2 = h, h, w2, h
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
+        a2, a2_scale, q2, s2, pairs, block_expert, weights.contiguous(), y, num_pairs, num_experts, hidden,
+        inter, INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    block = min(pow2(hidden), 1024)
+    _sum_slots_kernel[(T, triton.cdiv(hidden, block))](y, out, hidden, TOPK=top_k, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,64 @@
+"""Triton sparse attention against the reference on random ragged steps: windows that cross pages,
+prefill chunks mixed with decodes, CSA picks with padding (-1), HCA, SWA-only layers, and pools
+poisoned with NaN / inf wherever no correct read goes (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4serve.attention import reference
+from dsv4serve.attention import sparse_triton as kt
+from tests.kernel_cases import Case, make_case
+
+STEPS = [
+    [(0, 9), (20, 1), (3, 5), (47, 1)],  # chunks after a cached prefix, decodes, windows crossing pages
+    [(0, 1), (0, 2), (63, 1)],  # tiny requests: windows shorter than W, no compressed entry yet
+]
+
+
+def _indices(case: Case, gen: torch.Generator, topk: int) -> torch.Tensor:
+    """Random distinct visible entries per token, padded with -1 (as the indexer returns them)."""
+    J = case.batch.max_seq_len // 4
+    T = case.batch.num_tokens
+    out = torch.full((T, min(topk, J)), -1, dtype=torch.int32)
+    for t, pos in enumerate(case.batch.positions.tolist()):
+        visible = (pos + 1) // 4
+        chosen = torch.randperm(visible, generator=gen)[: out.shape[1]]
+        out[t, : chosen.numel()] = chosen.int()
+    return out
+
+
+@pytest.mark.parametrize("steps", STEPS)
+@pytest.mark.parametrize("ratio", [0, 4, 16])
+@pytest.mark.parametrize("poison", [False, True])
+def test_sparse_attention_matches_reference(steps: list, ratio: int, poison: bool) -> None:
+    case = make_case(5, steps, page_size=4, poison=poison)
+    layer = case.cfg.compress_ratios.index(ratio)
+    T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(T, H, D, generator=gen)
+    sinks = torch.randn(H, generator=gen)
+    swa = case.pools.swa[layer].view(-1, D)
+    cmp = None
+    if ratio:
+        cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D)
+    idx = _indices(case, gen, 5) if ratio == 4 else None
+    ref = reference.sparse_attention(q, swa, cmp, idx, case.ref, sinks, D**-0.5, ratio)
+    got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, ratio)
+    assert not ref.isnan().any()
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_sparse_attention_bf16_close_to_fp32_reference() -> None:
+    case = make_case(7, STEPS[0], page_size=8, dtype="bfloat16")
+    T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(T, H, D, generator=gen).bfloat16()
+    sinks = torch.randn(H, generator=gen)
+    swa, cmp = case.pools.swa[1].view(-1, D), case.pools.c4[1].view(-1, D)
+    idx = _indices(case, gen, 5)
+    ref = reference.sparse_attention(q.float(), swa.float(), cmp.float(), idx, case.ref, sinks, D**-0.5, 4)
+    got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - ref).norm() / ref.norm()) < 1e-2

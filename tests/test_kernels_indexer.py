@@ -1,0 +1,39 @@
+"""Triton indexer top-k against the reference: exact integer-valued inputs (so both compute identical
+scores, full of exact ties), ragged steps, poisoned pools; and the tie rule itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4serve.attention import core, reference
+from dsv4serve.attention import indexer_triton as kt
+from tests.kernel_cases import make_case
+
+STEPS = [[(0, 9), (40, 1), (13, 6), (70, 1)], [(0, 3), (7, 1)]]
+
+
+@pytest.mark.parametrize("steps", STEPS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("poison", [False, True])
+def test_indexer_topk_matches_reference_with_exact_ties(steps: list, dtype: str, poison: bool) -> None:
+    case = make_case(11, steps, page_size=4, dtype=dtype, poison=poison)
+    torch_dtype = getattr(torch, dtype)
+    T, Hi, Di = case.batch.num_tokens, case.cfg.index_n_heads, case.cfg.index_head_dim
+    gen = torch.Generator().manual_seed(12)
+    keys = case.pools.c4_index[1].view(-1, Di)
+    live = ~keys.float().isnan().any(-1) & ~keys.float().isinf().any(-1)
+    keys[live] = torch.randint(-1, 2, (int(live.sum()), Di), generator=gen).to(torch_dtype)
+    q = torch.randint(-2, 3, (T, Hi, Di), generator=gen).to(torch_dtype)
+    head_w = torch.randint(-2, 3, (T, Hi), generator=gen).float()
+    ref = reference.indexer_topk(q, head_w, keys, case.ref, 5, 0.5)
+    got = kt.indexer_topk(q, head_w, keys, case.fused, 5, 0.5)
+    assert got.dtype == torch.int32 and got.shape == ref.shape
+    assert torch.equal(got, ref)
+
+
+def test_topk_rule_is_highest_first_then_lowest_index_whatever_the_width() -> None:
+    scores = torch.tensor([[0.0, 2.0, -0.0, 2.0, float("-inf"), 1.0, 0.0]])
+    assert core.topk_lowest_ties(scores, 4).tolist() == [[1, 3, 5, 0]]
+    padded = torch.cat([scores, torch.full((1, 9), float("-inf"))], dim=1)
+    assert torch.equal(core.topk_lowest_ties(padded, 4), core.topk_lowest_ties(scores, 4))

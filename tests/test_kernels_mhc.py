@@ -1,0 +1,58 @@
+"""Triton mHC kernels against the reference (mhc.py) on random streams (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4serve import mhc
+from dsv4serve import mhc_triton as kt
+
+PARAMS = mhc.HcParams(mult=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
+
+
+def _hc(dim: int, gen: torch.Generator) -> mhc.HyperConnection:
+    n = PARAMS.mult
+    return mhc.HyperConnection(
+        fn=torch.randn((2 + n) * n, n * dim, generator=gen) * 0.1,
+        base=torch.randn((2 + n) * n, generator=gen),
+        scale=torch.rand(3, generator=gen) + 0.5,
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 19])
+@pytest.mark.parametrize("dim", [48, 200])
+def test_hc_pre_matches_reference_fp32(tokens: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * dim)
+    h = torch.randn(tokens, 4, dim, generator=gen) * 2
+    hc, norm = _hc(dim, gen), torch.randn(dim, generator=gen)
+    want = mhc.hc_pre(h, hc, norm, PARAMS)
+    got = kt.hc_pre(h, hc, norm, PARAMS)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_hc_pre_bf16_close() -> None:
+    gen = torch.Generator().manual_seed(3)
+    h = (torch.randn(7, 4, 64, generator=gen) * 2).bfloat16()
+    hc, norm = _hc(64, gen), torch.randn(64, generator=gen).bfloat16()
+    want = mhc.hc_pre(h, hc, norm, PARAMS)
+    got = kt.hc_pre(h, hc, norm, PARAMS)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[2], want[2], atol=1e-4, rtol=1e-4)
+    assert float((got[0].float() - want[0].float()).abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(6, 4, 80, generator=gen).to(dtype)
+    out = torch.randn(6, 80, generator=gen).to(dtype)
+    post = torch.rand(6, 4, generator=gen) * 2
+    comb = torch.rand(6, 4, 4, generator=gen)
+    want = mhc.hc_post(out, h, post, comb)
+    got = kt.hc_post(out, h, post, comb)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:  # the same rounding steps, but the two rounded terms may differ by one ulp (up to 1/16 here)
+        torch.testing.assert_close(got.float(), want.float(), atol=0.07, rtol=0.02)

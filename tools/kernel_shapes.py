@@ -1,0 +1,113 @@
+"""Calls every op of the Triton backend on synthetic inputs of the served shapes (decode and prefill
+at DeepSeek-V4-Flash dimensions, with few experts, or tiny ones). Used by compile_kernels.py."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+from dsv4serve import mhc
+from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.executor.triton_backend import triton_backend
+from dsv4serve.quant import quantize_int8
+from tests.kernel_cases import kernel_model, make_case
+
+FLASH = {
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "sliding_window": 128,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "compress_ratios": [0, 4, 128],
+    "max_position_embeddings": 8192,
+}
+
+
+def exercise_backend(tiny: bool) -> list[str]:
+    failures: list[str] = []
+    shapes: list[tuple[dict[str, Any], list[tuple[int, int]]]] = [({}, [(0, 9), (20, 1), (47, 1)])]
+    if not tiny:
+        shapes += [(FLASH, [(1000, 1)]), (FLASH, [(1000, 1)] * 8), (FLASH, [(0, 300), (500, 1)])]
+    for dtype in ("bfloat16", "float32"):
+        for changes, steps in shapes:
+            try:
+                _one(changes, steps, dtype)
+            except Exception:  # report every failing shape, keep going
+                failures.append(f"{dtype} {steps[:2]}: {traceback.format_exc(limit=3)}")
+    return failures
+
+
+def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> None:
+    cfg = kernel_model(**changes)
+    case = make_case(0, steps, page_size=64 if changes else 8, dtype=dtype, cfg=cfg)
+    ops = triton_backend()
+    tdt = getattr(torch, dtype)
+    T, H, D, hidden = case.batch.num_tokens, cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    meta = case.fused
+    x = torch.randn(T, hidden).to(tdt)
+    ops.rms_norm(x, torch.ones(hidden, dtype=tdt), 1e-6)
+    q = ops.q_norm_rope(torch.randn(T, H, D).to(tdt), meta, True, 1e-6)
+    ops.rope(q, meta, True, True)
+    layer4, layer128 = cfg.compress_ratios.index(4), cfg.compress_ratios.index(cfg.hca_ratio)
+    swa = case.pools.swa[layer4].view(-1, D)
+    ops.kv_norm_rope_store(torch.randn(T, D).to(tdt), torch.ones(D, dtype=tdt), swa, meta, True, 1e-6)
+    for ratio, layer, d in ((4, layer4, D), (4, layer4, cfg.index_head_dim), (cfg.hca_ratio, layer128, D)):
+        coff = 2 if ratio == 4 else 1
+        w = CompressorWeights(
+            torch.randn(2 * coff * d, hidden).to(tdt), torch.randn(ratio, coff * d), torch.ones(d, dtype=tdt)
+        )
+        if ratio == 4 and d != D:
+            state, out = case.pools.c4_index_state[layer], case.pools.c4_index[layer]
+        elif ratio == 4:
+            state, out = case.pools.c4_state[layer], case.pools.c4[layer]
+        else:
+            state, out = case.pools.c128_state[layer], case.pools.c128[layer]
+        ops.compressor(x, w, state.view(-1, state.shape[-1]), out.view(-1, d), meta, ratio, 1e-6)
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    keys = case.pools.c4_index[layer4].view(-1, Di)
+    idx = ops.indexer_topk(
+        torch.randn(T, Hi, Di).to(tdt), torch.randn(T, Hi), keys, meta, cfg.index_topk, 0.1
+    )
+    sinks = torch.randn(H)
+    ops.sparse_attention(q, swa, case.pools.c4[layer4].view(-1, D), idx, meta, sinks, 0.04, 4)
+    ops.sparse_attention(
+        q, swa, case.pools.c128[layer128].view(-1, D), None, meta, sinks, 0.04, cfg.hca_ratio
+    )
+    ops.sparse_attention(q, swa, None, None, meta, sinks, 0.04, 0)
+    n = cfg.hc_mult
+    hc = mhc.HyperConnection(torch.randn((2 + n) * n, n * hidden), torch.randn((2 + n) * n), torch.rand(3))
+    h = torch.randn(T, n, hidden).to(tdt)
+    xn, post, comb = ops.hc_pre(h, hc, torch.ones(hidden, dtype=tdt), mhc.HcParams(n, 20, 1e-6, 1e-6))
+    ops.hc_post(xn, h, post, comb)
+    for n_out, k_in in (
+        (cfg.q_lora_rank, hidden),
+        (H * D // cfg.o_groups, cfg.o_lora_rank),
+        (hidden, 8 * 1024),
+    ):
+        w_lin = torch.randn(n_out, k_in).to(tdt)
+        ops.linear(torch.randn(T, k_in).to(tdt), w_lin)
+        if dtype == "bfloat16":
+            ops.linear(torch.randn(T, k_in).to(tdt), quantize_int8(w_lin.float()))
+    E, I_, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    weights = torch.rand(T, k).to(tdt)
+    w1, w2, w3 = (
+        torch.randn(E, I_, hidden).to(tdt),
+        torch.randn(E, hidden, I_).to(tdt),
+        torch.randn(E, I_, hidden).to(tdt),
+    )
+    ops.routed_experts(x, weights, ids, w1, w2, w3, 10.0)
+    if dtype == "bfloat16":
+        q1, q2, q3 = (quantize_int8(w.float()) for w in (w1, w2, w3))
+        ops.routed_experts(x, weights, ids, q1, q2, q3, 10.0)
