@@ -1,6 +1,7 @@
 """The executor core's speed: prefill and decode steps through allocator -> six-tuples -> tables ->
 ModelRunner (no actors), on any device. `python -m dsv4serve bench` and benchmarks/bench_step.py
-print `run_bench`'s result as JSON. Times are medians over steps after a warm-up decode step.
+print `run_bench`'s result as JSON; benchmarks/bench_decode.py drives `CoreDriver` at real dimensions.
+Times are medians over steps after a warm-up decode step.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,9 +22,70 @@ from dsv4serve.protocol import SamplingSpec, StepItem, StepPlan
 GREEDY = SamplingSpec(temperature=0.0)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
+def sync(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+class CoreDriver:
+    """Requests through the executor core as the engine runs them, without the actors."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.alloc = KVAllocator(runner.model_cfg, runner.engine, runner.sizes)
+        self.lengths: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.step = 0
+
+    def _run(self, chunks: dict[str, Sequence[int]]) -> float:
+        """One step: each rid's chunk after its cached tokens; returns execute()'s wall time (s)."""
+        items, locs = [], []
+        for rid, ids in chunks.items():
+            start = self.lengths.get(rid, 0)
+            got = self.alloc.allocate(rid, start, start + len(ids), self.step)
+            assert not isinstance(got, Refusal), got
+            locs.append(got)
+            items.append(
+                StepItem(
+                    rid=rid, prefix_len=start, token_ids=tuple(ids), sample=True, sampling=GREEDY, row=got.row
+                )
+            )
+            self.lengths[rid] = start + len(ids)
+        self.runner.write_locs(locs)
+        sync(self.runner.device)
+        begin = time.perf_counter()
+        result = self.runner.execute(StepPlan(step=self.step, items=tuple(items)))
+        sync(self.runner.device)
+        elapsed = time.perf_counter() - begin
+        self.step += 1
+        self.last.update({o.rid: o.token_id for o in result.outputs})
+        return elapsed
+
+    def prefill(self, prompts: dict[str, Sequence[int]], budget: int) -> list[float]:
+        """Whole prompts in steps of at most `budget` tokens (longer prompts in chunks)."""
+        pending = {rid: list(p) for rid, p in prompts.items()}
+        times = []
+        while pending:
+            chunks: dict[str, Sequence[int]] = {}
+            room = budget
+            for rid in list(pending):
+                if room == 0:
+                    break
+                take, pending[rid] = pending[rid][:room], pending[rid][room:]
+                chunks[rid], room = take, room - len(take)
+                if not pending[rid]:
+                    del pending[rid]
+            times.append(self._run(chunks))
+        return times
+
+    def decode(self, rids: Sequence[str], steps: int) -> list[float]:
+        return [self._run({rid: (self.last[rid],) for rid in rids}) for _ in range(steps)]
+
+    def free(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            self.alloc.free(rid)
+            self.lengths.pop(rid, None)
+            self.last.pop(rid, None)
 
 
 def run_bench(
@@ -36,42 +99,20 @@ def run_bench(
         max_num_batched_tokens=requests * prompt_len,
         max_total_tokens=requests * (prompt_len + decode_steps + 64),
     )
-    runner = ModelRunner(model_dir, engine)
-    alloc = KVAllocator(runner.model_cfg, engine, runner.sizes)
+    core = CoreDriver(ModelRunner(model_dir, engine))
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(2, 129000) for _ in range(prompt_len)] for i in range(requests)}
-    lengths = dict.fromkeys(prompts, 0)
-    last: dict[str, int] = {}
-    times: dict[str, list[float]] = {"prefill": [], "decode": []}
-    for step in range(decode_steps + 1):
-        items, locs = [], []
-        for rid, prompt in prompts.items():
-            ids = tuple(prompt) if step == 0 else (last[rid],)
-            got = alloc.allocate(rid, lengths[rid], lengths[rid] + len(ids), step)
-            assert not isinstance(got, Refusal), got
-            locs.append(got)
-            items.append(
-                StepItem(
-                    rid=rid, prefix_len=lengths[rid], token_ids=ids, sample=True, sampling=GREEDY, row=got.row
-                )
-            )
-            lengths[rid] += len(ids)
-        runner.write_locs(locs)
-        _sync(device)
-        start = time.perf_counter()
-        result = runner.execute(StepPlan(step=step, items=tuple(items)))
-        _sync(device)
-        times["prefill" if step == 0 else "decode"].append(time.perf_counter() - start)
-        last = {o.rid: o.token_id for o in result.outputs}
-    decode = statistics.median(times["decode"][1:] or times["decode"])
+    prefill = core.prefill(prompts, requests * prompt_len)[0]
+    times = core.decode(list(prompts), decode_steps)
+    decode = statistics.median(times[1:] or times)
     return {
         "device": device,
         "dtype": engine.torch_dtype_name,
         "requests": requests,
         "prompt_len": prompt_len,
-        "prefill_ms": round(times["prefill"][0] * 1e3, 2),
-        "prefill_tok_s": round(requests * prompt_len / times["prefill"][0]),
+        "prefill_ms": round(prefill * 1e3, 2),
+        "prefill_tok_s": round(requests * prompt_len / prefill),
         "decode_step_ms": round(decode * 1e3, 2),
         "decode_tok_s": round(requests / decode),
-        "tokens": [last[r] for r in sorted(last)][:8],
+        "tokens": [core.last[r] for r in sorted(core.last)][:8],
     }

@@ -8,6 +8,7 @@ kernel that lets a masked or padded row reach its output fails.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,13 @@ from dsv4serve.memory.allocator import KVAllocator, Refusal
 from dsv4serve.memory.paged import PoolSizes
 from dsv4serve.memory.pools import KVPools, flat
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
+
+DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # where the kernels (and their references) run
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    """A tensor made on the CPU (seeded generators) moved to the test device."""
+    return t.to(DEVICE)
 
 
 def kernel_model(**changes: Any) -> ModelConfig:
@@ -84,7 +92,7 @@ def make_case(
     rng = random.Random(seed)
     longest = max(p + n for p, n in requests)
     engine = EngineConfig(
-        device="cpu",
+        device=DEVICE,
         dtype=dtype,
         page_size=page_size,
         max_num_seqs=len(requests) + 1,
@@ -108,11 +116,11 @@ def make_case(
         locs = _alloc(alloc, tables, f"r{i}", prefix, prefix + new, step)
         ids = [rng.randrange(cfg.vocab_size) for _ in range(new)]
         items.append(BatchItem(locs.row, prefix, ids, True))
-    batch = build_forward_batch(items, cfg.compress_ratio_set, "cpu")
+    batch = build_forward_batch(items, cfg.compress_ratio_set, DEVICE)
     if pad_windows:
         batch = _padded_windows(batch, rng)
     pools = KVPools(cfg, sizes, engine)
-    rope = RopeTables.build(cfg, engine.resolved_max_model_len(cfg) + 1, "cpu")
+    rope = RopeTables.build(cfg, engine.resolved_max_model_len(cfg) + 1, DEVICE)
     case = Case(cfg, engine, tables, pools, batch, None, None, rope)  # type: ignore[arg-type]
     case.ref = prepare_step(batch, tables, rope, cfg.sliding_window, case.sentinels(), with_geometry=True)
     case.fused = prepare_step(batch, tables, rope, cfg.sliding_window, case.sentinels(), with_geometry=False)
@@ -141,8 +149,11 @@ def _padded_windows(batch: ForwardBatch, rng: random.Random) -> ForwardBatch:
         n = win.index.numel()
         extra = rng.randint(1, 3)
         order = torch.randperm(n + extra, generator=torch.Generator().manual_seed(rng.randrange(99)))
-        req = torch.cat([win.req, torch.zeros(extra, dtype=torch.int64)])[order]
-        index = torch.cat([win.index, torch.full((extra,), -1, dtype=torch.int64)])[order]
+        order = order.to(win.req.device)
+        req = torch.cat([win.req, torch.zeros(extra, dtype=torch.int64, device=win.req.device)])[order]
+        index = torch.cat([win.index, torch.full((extra,), -1, dtype=torch.int64, device=win.req.device)])[
+            order
+        ]
         windows[r] = WindowMeta(req=req, index=index)
     return ForwardBatch(**{**batch.__dict__, "windows": windows})
 
@@ -165,9 +176,10 @@ def _fill(case: Case, gen: torch.Generator, poison: bool) -> None:
             rows = flat(t)
             rows.copy_(torch.randn(rows.shape, generator=gen).to(rows.dtype))
             if pool.endswith("state"):  # a score half of moderate size
-                rows[:, rows.shape[1] // 2 :] = torch.randn(rows.shape[0], rows.shape[1] // 2, generator=gen)
+                half = torch.randn(rows.shape[0], rows.shape[1] // 2, generator=gen)
+                rows[:, rows.shape[1] // 2 :] = half.to(rows.device)
             if poison:
-                keep = live.get(pool, torch.zeros(0, dtype=torch.long))
+                keep = live.get(pool, torch.zeros(0, dtype=torch.long, device=rows.device))
                 values = rows[keep].clone()
                 bad = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=rows.dtype)
                 rows.copy_(bad[torch.randint(0, 3, rows.shape, generator=gen)])

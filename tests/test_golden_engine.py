@@ -1,5 +1,6 @@
 """Golden test through the whole engine: Engine.generate (actors, scheduler, allocator, kv_writer,
-executor) against transformers' greedy generate, 16 prompts of mixed lengths in one call.
+executor) against transformers' greedy generate, 16 prompts of mixed lengths in one call (on the
+device DSV4SERVE_TEST_DEVICE names; on cuda the decode steps replay CUDA graphs).
 
 With a small step budget (chunked prefill) and a small KV capacity (preemptions, recompute) the
 output must be identical to a run with ample memory and to transformers, in both state modes.
@@ -7,6 +8,7 @@ output must be identical to a run with ample memory and to transformers, in both
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import torch
 
 from dsv4serve import Engine, SamplingParams
 
+DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # cuda: Triton kernels, decode steps in CUDA graphs
 MAX_NEW = 16
 LENGTHS = (1, 2, 3, 5, 8, 13, 17, 21, 30, 34, 47, 55, 64, 89, 120, 150)
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
@@ -48,7 +51,7 @@ def reference(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]
 
 
 def _run(model_dir: Path, prompts: list[list[int]], **engine: object) -> tuple[list[list[int]], int]:
-    with Engine(model_dir, dtype="float32", **engine) as eng:  # type: ignore[arg-type]
+    with Engine(model_dir, dtype="float32", device=DEVICE, **engine) as eng:  # type: ignore[arg-type]
         completions = eng.generate(prompts, GREEDY)
         stats = eng.stats()
         assert all(used == 0 for used, _ in eng.pool_usage().values()), eng.pool_usage()

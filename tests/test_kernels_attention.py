@@ -9,7 +9,7 @@ import torch
 
 from dsv4serve.attention import reference
 from dsv4serve.attention import sparse_triton as kt
-from tests.kernel_cases import Case, make_case
+from tests.kernel_cases import Case, make_case, on_device
 
 STEPS = [
     [(0, 9), (20, 1), (3, 5), (47, 1)],  # chunks after a cached prefix, decodes, windows crossing pages
@@ -26,7 +26,7 @@ def _indices(case: Case, gen: torch.Generator, topk: int) -> torch.Tensor:
         visible = (pos + 1) // 4
         chosen = torch.randperm(visible, generator=gen)[: out.shape[1]]
         out[t, : chosen.numel()] = chosen.int()
-    return out
+    return on_device(out)
 
 
 @pytest.mark.parametrize("steps", STEPS)
@@ -37,8 +37,8 @@ def test_sparse_attention_matches_reference(steps: list, ratio: int, poison: boo
     layer = case.cfg.compress_ratios.index(ratio)
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
     gen = torch.Generator().manual_seed(6)
-    q = torch.randn(T, H, D, generator=gen)
-    sinks = torch.randn(H, generator=gen)
+    q = on_device(torch.randn(T, H, D, generator=gen))
+    sinks = on_device(torch.randn(H, generator=gen))
     swa = case.pools.swa[layer].view(-1, D)
     cmp = None
     if ratio:
@@ -54,8 +54,8 @@ def test_sparse_attention_bf16_close_to_fp32_reference() -> None:
     case = make_case(7, STEPS[0], page_size=8, dtype="bfloat16")
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
     gen = torch.Generator().manual_seed(8)
-    q = torch.randn(T, H, D, generator=gen).bfloat16()
-    sinks = torch.randn(H, generator=gen)
+    q = on_device(torch.randn(T, H, D, generator=gen).bfloat16())
+    sinks = on_device(torch.randn(H, generator=gen))
     swa, cmp = case.pools.swa[1].view(-1, D), case.pools.c4[1].view(-1, D)
     idx = _indices(case, gen, 5)
     ref = reference.sparse_attention(q.float(), swa.float(), cmp.float(), idx, case.ref, sinks, D**-0.5, 4)

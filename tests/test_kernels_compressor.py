@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dsv4serve.attention import reference
 from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.attention.compressor_triton import compressor
-from tests.kernel_cases import make_case
+from tests.kernel_cases import make_case, on_device
 
 STEPS = [[(0, 9), (15, 1), (5, 22), (31, 1), (2, 2)], [(0, 1), (3, 1), (0, 17)]]
 
@@ -19,9 +19,9 @@ STEPS = [[(0, 9), (15, 1), (5, 22), (31, 1), (2, 2)], [(0, 1), (3, 1), (0, 17)]]
 def _weights(ratio: int, d: int, hidden: int, gen: torch.Generator, dtype: torch.dtype) -> CompressorWeights:
     coff = 2 if ratio == 4 else 1
     return CompressorWeights(
-        wkv_gate=(torch.randn(2 * coff * d, hidden, generator=gen) / hidden**0.5).to(dtype),
-        ape=torch.randn(ratio, coff * d, generator=gen),
-        norm=torch.randn(d, generator=gen).to(dtype),
+        wkv_gate=on_device((torch.randn(2 * coff * d, hidden, generator=gen) / hidden**0.5).to(dtype)),
+        ape=on_device(torch.randn(ratio, coff * d, generator=gen)),
+        norm=on_device(torch.randn(d, generator=gen).to(dtype)),
     )
 
 
@@ -35,7 +35,7 @@ def test_compressor_matches_reference(steps: list, ratio: int, state_mode: str, 
     d, hidden = case.cfg.head_dim, case.cfg.hidden_size
     gen = torch.Generator().manual_seed(22)
     w = _weights(ratio, d, hidden, gen, torch.float32)
-    x = torch.randn(case.batch.num_tokens, hidden, generator=gen)
+    x = on_device(torch.randn(case.batch.num_tokens, hidden, generator=gen))
     pools = case.pools
     state = (pools.c4_state if ratio == 4 else pools.c128_state)[layer]
     out = (pools.c4 if ratio == 4 else pools.c128)[layer]
@@ -44,10 +44,10 @@ def test_compressor_matches_reference(steps: list, ratio: int, state_mode: str, 
     reference.compressor(x, w, want_state, want_out, case.ref, ratio, 1e-6)
     compressor(x, w, state, out, case.fused, ratio, 1e-6, linear=F.linear)
     sentinel = case.sentinels()[ratio]
-    keep = torch.ones(state.shape[0], dtype=torch.bool)
+    keep = torch.ones(state.shape[0], dtype=torch.bool, device=state.device)
     keep[sentinel] = False  # the reference parks the rows nobody keeps on the sentinel slot
     torch.testing.assert_close(state[keep], want_state[keep], atol=1e-5, rtol=1e-5, equal_nan=True)
-    keep_out = torch.ones(out.shape[0], dtype=torch.bool)
+    keep_out = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
     keep_out[0] = False  # and writes padding windows to slot 0
     torch.testing.assert_close(out[keep_out], want_out[keep_out], atol=1e-5, rtol=1e-5, equal_nan=True)
     written = case.batch.windows[ratio].index >= 0
@@ -59,7 +59,7 @@ def test_compressor_bf16_close_to_reference() -> None:
     d, hidden = case.cfg.head_dim, case.cfg.hidden_size
     gen = torch.Generator().manual_seed(24)
     w = _weights(4, d, hidden, gen, torch.bfloat16)
-    x = torch.randn(case.batch.num_tokens, hidden, generator=gen).bfloat16()
+    x = on_device(torch.randn(case.batch.num_tokens, hidden, generator=gen).bfloat16())
     state, out = case.pools.c4_state[1].view(-1, 4 * d), case.pools.c4[1].view(-1, d)
     want_state, want_out = state.clone(), out.clone()
     reference.compressor(x, w, want_state, want_out, case.ref, 4, 1e-6)

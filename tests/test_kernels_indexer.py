@@ -8,7 +8,7 @@ import torch
 
 from dsv4serve.attention import core, reference
 from dsv4serve.attention import indexer_triton as kt
-from tests.kernel_cases import make_case
+from tests.kernel_cases import make_case, on_device
 
 STEPS = [[(0, 9), (40, 1), (13, 6), (70, 1)], [(0, 3), (7, 1)]]
 
@@ -23,9 +23,9 @@ def test_indexer_topk_matches_reference_with_exact_ties(steps: list, dtype: str,
     gen = torch.Generator().manual_seed(12)
     keys = case.pools.c4_index[1].view(-1, Di)
     live = ~keys.float().isnan().any(-1) & ~keys.float().isinf().any(-1)
-    keys[live] = torch.randint(-1, 2, (int(live.sum()), Di), generator=gen).to(torch_dtype)
-    q = torch.randint(-2, 3, (T, Hi, Di), generator=gen).to(torch_dtype)
-    head_w = torch.randint(-2, 3, (T, Hi), generator=gen).float()
+    keys[live] = on_device(torch.randint(-1, 2, (int(live.sum()), Di), generator=gen).to(torch_dtype))
+    q = on_device(torch.randint(-2, 3, (T, Hi, Di), generator=gen).to(torch_dtype))
+    head_w = on_device(torch.randint(-2, 3, (T, Hi), generator=gen).float())
     ref = reference.indexer_topk(q, head_w, keys, case.ref, 5, 0.5)
     got = kt.indexer_topk(q, head_w, keys, case.fused, 5, 0.5)
     assert got.dtype == torch.int32 and got.shape == ref.shape

@@ -8,12 +8,13 @@ import torch
 
 from dsv4serve import quant
 from dsv4serve import quant_triton as kt
+from tests.kernel_cases import on_device
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 64), (5, 24, 2048), (16, 300, 96), (23, 48, 1000)])
 def test_float_linear_matches_reference(m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * n)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
+    x, w = on_device(torch.randn(m, k, generator=gen)), on_device(torch.randn(n, k, generator=gen) / k**0.5)
     torch.testing.assert_close(kt.linear(x, w), quant.linear(x, w), atol=1e-5, rtol=1e-5)
     xb, wb = x.bfloat16(), w.bfloat16()
     got = kt.gemm(xb, wb, torch.bfloat16).float()
@@ -26,7 +27,8 @@ def test_quantize_rows_matches_reference_with_halves() -> None:
     x = torch.randn(6, 300, generator=gen) * 3
     x[0, :4] = torch.tensor([127.0, 0.5, -0.5, 1.5])  # scale 1: exact .5 cases round to even
     x[1] = 0.0
-    q, s = kt.quantize_rows(x)
+    q, s = kt.quantize_rows(on_device(x))
+    q, s = q.cpu(), s.cpu()
     rq, rs = quant.quantize_activation(x)
     assert torch.equal(q, rq) and torch.equal(s, rs)
 
@@ -34,6 +36,6 @@ def test_quantize_rows_matches_reference_with_halves() -> None:
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 64), (4, 24, 1024), (33, 130, 200)])
 def test_int8_linear_is_exact_against_reference(m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    x, w = on_device(torch.randn(m, k, generator=gen)), on_device(torch.randn(n, k, generator=gen))
     qw = quant.quantize_int8(w)
     torch.testing.assert_close(kt.linear(x, qw), quant.linear(x, qw), atol=0, rtol=1e-6)

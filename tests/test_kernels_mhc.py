@@ -7,6 +7,7 @@ import torch
 
 from dsv4serve import mhc
 from dsv4serve import mhc_triton as kt
+from tests.kernel_cases import on_device
 
 PARAMS = mhc.HcParams(mult=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
 
@@ -14,9 +15,9 @@ PARAMS = mhc.HcParams(mult=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
 def _hc(dim: int, gen: torch.Generator) -> mhc.HyperConnection:
     n = PARAMS.mult
     return mhc.HyperConnection(
-        fn=torch.randn((2 + n) * n, n * dim, generator=gen) * 0.1,
-        base=torch.randn((2 + n) * n, generator=gen),
-        scale=torch.rand(3, generator=gen) + 0.5,
+        fn=on_device(torch.randn((2 + n) * n, n * dim, generator=gen) * 0.1),
+        base=on_device(torch.randn((2 + n) * n, generator=gen)),
+        scale=on_device(torch.rand(3, generator=gen) + 0.5),
     )
 
 
@@ -24,8 +25,8 @@ def _hc(dim: int, gen: torch.Generator) -> mhc.HyperConnection:
 @pytest.mark.parametrize("dim", [48, 200])
 def test_hc_pre_matches_reference_fp32(tokens: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(tokens * dim)
-    h = torch.randn(tokens, 4, dim, generator=gen) * 2
-    hc, norm = _hc(dim, gen), torch.randn(dim, generator=gen)
+    h = on_device(torch.randn(tokens, 4, dim, generator=gen) * 2)
+    hc, norm = _hc(dim, gen), on_device(torch.randn(dim, generator=gen))
     want = mhc.hc_pre(h, hc, norm, PARAMS)
     got = kt.hc_pre(h, hc, norm, PARAMS)
     for g, w in zip(got, want, strict=True):
@@ -34,8 +35,8 @@ def test_hc_pre_matches_reference_fp32(tokens: int, dim: int) -> None:
 
 def test_hc_pre_bf16_close() -> None:
     gen = torch.Generator().manual_seed(3)
-    h = (torch.randn(7, 4, 64, generator=gen) * 2).bfloat16()
-    hc, norm = _hc(64, gen), torch.randn(64, generator=gen).bfloat16()
+    h = on_device((torch.randn(7, 4, 64, generator=gen) * 2).bfloat16())
+    hc, norm = _hc(64, gen), on_device(torch.randn(64, generator=gen).bfloat16())
     want = mhc.hc_pre(h, hc, norm, PARAMS)
     got = kt.hc_pre(h, hc, norm, PARAMS)
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
@@ -46,10 +47,10 @@ def test_hc_pre_bf16_close() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_post_matches_reference(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(4)
-    h = torch.randn(6, 4, 80, generator=gen).to(dtype)
-    out = torch.randn(6, 80, generator=gen).to(dtype)
-    post = torch.rand(6, 4, generator=gen) * 2
-    comb = torch.rand(6, 4, 4, generator=gen)
+    h = on_device(torch.randn(6, 4, 80, generator=gen).to(dtype))
+    out = on_device(torch.randn(6, 80, generator=gen).to(dtype))
+    post = on_device(torch.rand(6, 4, generator=gen) * 2)
+    comb = on_device(torch.rand(6, 4, 4, generator=gen))
     want = mhc.hc_post(out, h, post, comb)
     got = kt.hc_post(out, h, post, comb)
     if dtype == torch.float32:

@@ -11,6 +11,7 @@ from dsv4serve.moe.experts import routed_experts_reference
 from dsv4serve.moe.experts_triton import align, routed_experts
 from dsv4serve.moe.routing import route
 from dsv4serve.quant import quantize_int8
+from tests.kernel_cases import on_device
 
 
 def _inputs(tokens: int, experts: int, top_k: int, seed: int, skew: bool = False) -> tuple:
@@ -23,12 +24,12 @@ def _inputs(tokens: int, experts: int, top_k: int, seed: int, skew: bool = False
     w1 = torch.randn(experts, inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
     w3 = torch.randn(experts, inter, hidden, generator=gen) / hidden**0.5
-    return x, weights, ids, w1, w2, w3
+    return tuple(on_device(t) for t in (x, weights, ids, w1, w2, w3))
 
 
 def test_align_puts_every_pair_once_in_a_block_of_its_expert() -> None:
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]])
-    pairs, block_expert = align(ids, 8, 4)
+    pairs, block_expert = (t.cpu() for t in align(on_device(ids), 8, 4))
     flat = ids.reshape(-1)
     seen = []
     for b, e in enumerate(block_expert.tolist()):
@@ -65,3 +66,13 @@ def test_int8_experts_match_reference(tokens: int) -> None:
     want = routed_experts_reference(x, weights, ids, q1, q2, q3, 1.0)
     got = routed_experts(x, weights, ids, q1, q2, q3, 1.0)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_as_views_of_a_stacked_gate_up_weight() -> None:
+    """transformers stores [W1; W3] as one (E, 2I, hidden) tensor: w1 / w3 are strided views of it."""
+    x, weights, ids, w1, w2, w3 = _inputs(5, 8, 2, 9)
+    gate_up = torch.cat([w1, w3], dim=1)
+    inter = w1.shape[1]
+    want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0)
+    got = routed_experts(x, weights, ids, gate_up[:, :inter], w2, gate_up[:, inter:], 1.0)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -7,7 +7,7 @@ import torch
 
 from dsv4serve.attention import core, reference
 from dsv4serve.attention import norm_rope_triton as kt
-from tests.kernel_cases import make_case
+from tests.kernel_cases import make_case, on_device
 
 STEPS = [(0, 7), (5, 1), (13, 3), (30, 1)]
 
@@ -16,8 +16,8 @@ STEPS = [(0, 7), (5, 1), (13, 3), (30, 1)]
 def test_rms_norm_matches_reference(dtype: str) -> None:
     gen = torch.Generator().manual_seed(0)
     for rows, n in ((1, 48), (9, 64), (5, 100)):
-        x = (torch.randn(rows, n, generator=gen) * 3).to(getattr(torch, dtype))
-        w = torch.randn(n, generator=gen).to(x.dtype)
+        x = on_device((torch.randn(rows, n, generator=gen) * 3).to(getattr(torch, dtype)))
+        w = on_device(torch.randn(n, generator=gen).to(x.dtype))
         got, ref = kt.rms_norm(x, w, 1e-6), core.rms_norm(x, w, 1e-6)
         assert got.dtype == ref.dtype
         torch.testing.assert_close(
@@ -30,7 +30,7 @@ def test_rms_norm_matches_reference(dtype: str) -> None:
 def test_q_norm_rope_and_inverse_rope_match_reference(dtype: str, compress: bool) -> None:
     case = make_case(1, STEPS, dtype=dtype)
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
-    q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(2)).to(getattr(torch, dtype))
+    q = on_device(torch.randn(T, H, D, generator=torch.Generator().manual_seed(2)).to(getattr(torch, dtype)))
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 2e-2, "rtol": 2e-2}
     ref = reference.q_norm_rope(q, case.ref, compress, 1e-6)
     torch.testing.assert_close(kt.q_norm_rope(q, case.fused, compress, 1e-6).float(), ref.float(), **tol)
@@ -44,8 +44,8 @@ def test_kv_norm_rope_store_writes_the_same_slots(state_mode: str) -> None:
     case = make_case(3, STEPS, state_mode=state_mode, page_size=8)
     T, D = case.batch.num_tokens, case.cfg.head_dim
     gen = torch.Generator().manual_seed(4)
-    kv = torch.randn(T, D, generator=gen)
-    w = torch.randn(D, generator=gen)
+    kv = on_device(torch.randn(T, D, generator=gen))
+    w = on_device(torch.randn(D, generator=gen))
     pool = case.pools.swa[0].view(-1, D)
     want = pool.clone()
     reference.kv_norm_rope_store(kv, w, want, case.ref, True, 1e-6)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -63,6 +63,8 @@ class SystemOptions:
     engine: EngineConfig
     max_waiting: int = 1024  # admission bound: live requests <= max_waiting + max_num_seqs
     max_inflight_steps: int = 2  # credit rule K
+    # a model already built (benchmarks build random weights on the device): used instead of loading
+    prebuilt: tuple[ModelRunner, PreTrainedTokenizerFast] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class Parts:
 
 
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
+    if options.prebuilt is not None:
+        return options.prebuilt
     return ModelRunner(options.model_dir, options.engine), load_tokenizer(options.model_dir)
 
 

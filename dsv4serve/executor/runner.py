@@ -49,18 +49,36 @@ class ModelRunner:
         sizes: PoolSizes | None = None,
         ops: Backend | None = None,
     ) -> None:
-        """`ops` overrides the device's backend (tests run the Triton one on CPU tensors)."""
-        self.engine = engine
-        self.model_cfg = cfg = ModelConfig.from_dir(model_dir)
+        """Load a checkpoint. `ops` overrides the device's backend (tests run the Triton one on CPU tensors)."""
+        cfg = ModelConfig.from_dir(model_dir)
+        dtype = getattr(torch, engine.torch_dtype_name)
+        weights = load_checkpoint(Path(model_dir), cfg, dtype=dtype, device=engine.device)
+        self._build(cfg, weights, engine, sizes, ops)
+
+    @classmethod
+    def from_weights(
+        cls, cfg: ModelConfig, weights: dict[str, Weight], engine: EngineConfig, ops: Backend | None = None
+    ) -> ModelRunner:
+        """A runner over weights already on the device, by official name (benchmarks build random ones)."""
+        runner = cls.__new__(cls)
+        runner._build(cfg, weights, engine, None, ops)
+        return runner
+
+    def _build(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, Weight],
+        engine: EngineConfig,
+        sizes: PoolSizes | None,
+        ops: Backend | None,
+    ) -> None:
+        self.engine, self.model_cfg = engine, cfg
         self.device = torch.device(engine.device)
         self.dtype = getattr(torch, engine.torch_dtype_name)
         self.ops: Backend = ops or select_backend(engine.device)
         self.sizes = sizes or PoolSizes.for_engine(cfg, engine)
         self.pools = KVPools(cfg, self.sizes, engine)
         self.tables = SlotTables(cfg, engine, self.device)
-        weights: dict[str, Weight] = load_checkpoint(
-            Path(model_dir), cfg, dtype=self.dtype, device=str(self.device)
-        )
         if engine.weight_quant == "int8":
             weights = quantize_weights_int8(weights)
         rope = RopeTables.build(cfg, engine.resolved_max_model_len(cfg) + 1, self.device)

@@ -56,6 +56,8 @@ def _gate_up_kernel(
     HIDDEN,
     INTER,
     stride_x,
+    stride_w1,
+    stride_w3,
     limit,
     INT8: tl.constexpr,
     FP32: tl.constexpr,
@@ -76,7 +78,9 @@ def _gate_up_kernel(
     nmask = n < INTER
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
-    w_rows = ee * INTER * HIDDEN + n.to(tl.int64)[:, None] * HIDDEN
+    w_rows = n.to(tl.int64)[:, None] * HIDDEN
+    w1_rows = w1_ptr + ee * stride_w1 + w_rows
+    w3_rows = w3_ptr + ee * stride_w3 + w_rows
     for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < HIDDEN
@@ -84,8 +88,8 @@ def _gate_up_kernel(
             x_ptr + tok[:, None] * stride_x + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
         )
         wmask = nmask[:, None] & kmask[None, :]
-        w1 = tl.load(w1_ptr + w_rows + k[None, :], mask=wmask, other=0)
-        w3 = tl.load(w3_ptr + w_rows + k[None, :], mask=wmask, other=0)
+        w1 = tl.load(w1_rows + k[None, :], mask=wmask, other=0)
+        w3 = tl.load(w3_rows + k[None, :], mask=wmask, other=0)
         if FP32:
             acc_g += tl.dot(a, tl.trans(w1), input_precision="ieee")
             acc_u += tl.dot(a, tl.trans(w3), input_precision="ieee")
@@ -119,6 +123,7 @@ def _down_kernel(
     NUM_EXPERTS,
     HIDDEN,
     INTER,
+    stride_w2,
     INT8: tl.constexpr,
     FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -136,12 +141,12 @@ def _down_kernel(
     pmask = (pair < NUM_PAIRS) & live
     nmask = n < HIDDEN
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
-    w_rows = ee * HIDDEN * INTER + n.to(tl.int64)[:, None] * INTER
+    w_rows = w2_ptr + ee * stride_w2 + n.to(tl.int64)[:, None] * INTER
     for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < INTER
         a = tl.load(h_ptr + r[:, None] * INTER + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0)
-        w = tl.load(w2_ptr + w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
         if FP32:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
@@ -204,9 +209,11 @@ def routed_experts(
     else:
         assert isinstance(w1, torch.Tensor) and isinstance(w3, torch.Tensor)
         a, a_scale, q1, q3, s1, s3 = x, x, w1, w3, x, x
+    for w in (q1, q3):
+        assert w.stride(2) == 1 and w.stride(1) == hidden, "experts: rows of each expert contiguous"
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
         a, a_scale, q1, q3, s1, s3, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
-        a.stride(0), limit, INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        a.stride(0), q1.stride(0), q3.stride(0), limit, INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
         num_stages=3,
     )  # fmt: skip
     if isinstance(w2, Int8Weight):
@@ -214,10 +221,11 @@ def routed_experts(
         a2, a2_scale, q2, s2 = hq, hs, w2.qweight, w2.scale
     else:
         a2, a2_scale, q2, s2 = h, h, w2, h
+    assert q2.stride(2) == 1 and q2.stride(1) == inter
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
         a2, a2_scale, q2, s2, pairs, block_expert, weights.contiguous(), y, num_pairs, num_experts, hidden,
-        inter, INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+        inter, q2.stride(0), INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
     )  # fmt: skip
     block = min(pow2(hidden), 1024)
     _sum_slots_kernel[(T, triton.cdiv(hidden, block))](y, out, hidden, TOPK=top_k, BLOCK=block, num_warps=4)

@@ -1,0 +1,352 @@
+"""Decode and prefill at DeepSeek-V4-Flash layer dimensions, in ONE run on one GPU: transformers eager,
+the executor core and `Engine.generate`, each decode step against its HBM roofline. Prints JSON.
+
+    python benchmarks/bench_decode.py [--layers 4] [--experts 256] [--batches 1 8 64] \
+        [--contexts 1024 8192] [--engine-contexts 1024] [--steps 16] [--out FILE]
+
+The weights are random bf16, built on the device once, by transformers' own initialisation; the engine
+serves the very same tensors (renamed to the official names, experts as views), so both read the same
+bytes. Hash-routed layers get random distinct experts per token (transformers initialises `tid2eid`
+to zeros). Roofline of a decode step: bytes of the non-expert weights (the embedding's rows of the
+batch only) + the routed experts that step actually chose (counted on an eager run of that step) + the
+KV each query reads (window, chosen or all compressed entries, indexer keys), over the device-to-device
+copy bandwidth measured in the same run (bytes read + written per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsv4serve.attention.metadata import BatchItem, build_forward_batch
+from dsv4serve.bench import CoreDriver, sync
+from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.executor.runner import ModelRunner
+from dsv4serve.models.hf_names import official_weights
+from dsv4serve.models.weights import storage_dtype
+
+CONFIG = Path(__file__).parent / "configs" / "deepseek_v4_flash.config.json"
+REPORT: dict[str, Any] = {}
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def copy_bandwidth(device: str, gib: float = 4.0) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 10)."""
+    n = int(gib * 2**30) // 2
+    a, b = (
+        torch.empty(n, dtype=torch.bfloat16, device=device),
+        torch.empty(n, dtype=torch.bfloat16, device=device),
+    )
+    a.normal_()
+    times = []
+    for _ in range(12):
+        sync(device)
+        begin = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        times.append(time.perf_counter() - begin)
+    del a, b
+    return 2 * n * 2 / statistics.median(times[2:])
+
+
+DRY_RUN_DIMS = {  # --dry-run: the same flow on the CPU at tiny dimensions
+    "hidden_size": 64, "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 32,
+    "o_groups": 2, "o_lora_rank": 32, "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8,
+    "moe_intermediate_size": 32, "sliding_window": 16, "vocab_size": 1000,
+}  # fmt: skip
+
+
+def flash_config(layers: int, experts: int, dry_run: bool = False) -> dict[str, Any]:
+    raw = json.loads(CONFIG.read_text())
+    raw.update(DRY_RUN_DIMS if dry_run else {})
+    raw.update(num_hidden_layers=layers, n_routed_experts=experts, num_nextn_predict_layers=0)
+    raw["compress_ratios"] = [*raw["compress_ratios"][:layers], 0]
+    raw.pop("quantization_config", None)
+    raw.pop("expert_dtype", None)
+    return raw
+
+
+def build_hf(raw: dict[str, Any], device: str) -> Any:
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM._from_config(DeepseekV4Config(**raw), dtype=torch.bfloat16).eval()
+    vocab, experts, k = raw["vocab_size"], raw["n_routed_experts"], raw["num_experts_per_tok"]
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):  # random distinct experts per token, as a trained table has
+            buf.copy_(torch.rand(vocab, experts, device=device).argsort(-1)[:, :k])
+    return model
+
+
+def engine_weights(model: Any) -> dict[str, torch.Tensor]:
+    """transformers' tensors under the official names, in the dtypes the engine keeps (mostly views)."""
+    named = list(model.state_dict().items())
+    return {n: t.to(storage_dtype(n, torch.bfloat16)) for n, t in official_weights(named).items()}
+
+
+def _cache_kwarg(out: Any) -> dict[str, Any]:
+    return {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
+
+
+def hf_run(model: Any, batch: int, context: int, steps: int, vocab: int) -> dict[str, float]:
+    """transformers eager: prefill (in chunks of <= 16k tokens in all), then timed greedy decode steps."""
+    device = model.device
+    ids = torch.randint(2, vocab, (batch, context), device=device)
+    chunk = max(128, 16384 // batch)
+    out, kw = None, {}
+    with torch.inference_mode():
+        for start in range(0, context, chunk):
+            out = model(input_ids=ids[:, start : start + chunk], use_cache=True, **kw)
+            kw = _cache_kwarg(out)
+        assert out is not None
+        token = out.logits[:, -1].argmax(-1)
+        times = []
+        for _ in range(steps):
+            sync(device)
+            begin = time.perf_counter()
+            out = model(input_ids=token[:, None], use_cache=True, **kw)
+            kw = _cache_kwarg(out)
+            token = out.logits[:, -1].argmax(-1)
+            token.tolist()
+            times.append(time.perf_counter() - begin)
+    return {"decode_ms": statistics.median(times[1:]) * 1e3}
+
+
+def hf_prefill(model: Any, batch: int, length: int, vocab: int) -> float:
+    ids = torch.randint(2, vocab, (batch, length), device=model.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            sync(model.device)
+            begin = time.perf_counter()
+            model(input_ids=ids, use_cache=True).logits[:, -1].argmax(-1).tolist()
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times[1:]) * 1e3
+
+
+def weight_bytes(model: Any, batch: int) -> tuple[int, int]:
+    """(non-expert weight bytes a decode step reads, bytes of one routed expert)."""
+    nonexpert, per_expert = 0, 0
+    for name, t in model.state_dict().items():
+        size = t.numel() * t.element_size()
+        if ".experts." in name:
+            per_expert += size // t.shape[0]
+        elif name.endswith("embed_tokens.weight"):
+            nonexpert += batch * t.shape[1] * t.element_size()
+        elif not name.endswith("tid2eid"):
+            nonexpert += size
+    layers = sum(1 for n in model.state_dict() if n.endswith("experts.down_proj"))
+    return nonexpert, per_expert // layers
+
+
+def kv_bytes(cfg: ModelConfig, lengths: list[int]) -> int:
+    """Bytes of keys / entries each query of a decode step reads (bf16), summed over layers."""
+    total, D, Di = 0, cfg.head_dim, cfg.index_head_dim
+    for n in lengths:  # the query sits at position n - 1
+        for r in cfg.compress_ratios:
+            total += min(cfg.sliding_window, n) * D * 2
+            if r == 4:
+                total += min(cfg.index_topk, n // 4) * D * 2 + (n // 4) * Di * 2
+            elif r:
+                total += (n // r) * D * 2
+    return total
+
+
+def distinct_experts(runner: ModelRunner, core: CoreDriver, rids: list[str]) -> list[int]:
+    """One decode step run eagerly, recording how many distinct experts each MoE layer chose."""
+    counts: list[int] = []
+    ops = runner.model.ops
+
+    def recording(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *rest: Any) -> torch.Tensor:
+        counts.append(int(ids.unique().numel()))
+        return ops.routed_experts(x, weights, ids, *rest)
+
+    runner.model.ops = replace(ops, routed_experts=recording)
+    try:
+        items, locs = [], []
+        for rid in rids:
+            n = core.lengths[rid]
+            got = core.alloc.allocate(rid, n, n + 1, core.step)
+            locs.append(got)
+            items.append(BatchItem(got.row, n, [core.last[rid]], True))  # type: ignore[union-attr]
+        runner.write_locs(locs)  # type: ignore[arg-type]
+        with torch.inference_mode():
+            batch = build_forward_batch(items, runner.ratios, runner.device)
+            logits = runner.model.forward(batch, runner.pools, runner.tables)
+        for rid, token in zip(rids, logits.argmax(-1).tolist(), strict=True):
+            core.lengths[rid] += 1
+            core.last[rid] = token
+        core.step += 1
+    finally:
+        runner.model.ops = ops
+    return counts
+
+
+def profile_step(core: CoreDriver, rids: list[str]) -> list[dict[str, Any]]:
+    """Per-kernel device time of one eager decode step (graphs off), top 25."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, core.runner.graphs = core.runner.graphs, None
+    try:
+        core.decode(rids, 1)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            core.decode(rids, 1)
+    finally:
+        core.runner.graphs = graphs
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            rows.append({"kernel": e.key[:90], "us": round(us, 1), "calls": e.count})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    return [{"total_us": round(total, 1)}, *rows[:25]]
+
+
+def save(args: argparse.Namespace) -> None:
+    if args.out:
+        Path(args.out).write_text(json.dumps(REPORT, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--engine-contexts", type=int, nargs="*", default=[1024])
+    parser.add_argument("--prefills", nargs="*", default=["1x1024", "8x1024"])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile", type=int, nargs="*", default=[1, 64], help="batches to profile at 1k")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--dry-run", action="store_true", help="tiny dimensions on the CPU: checks the flow")
+    args = parser.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    REPORT.update(gpu=gpu, torch=torch.__version__, layers=args.layers, experts=args.experts)
+    bandwidth = copy_bandwidth(device, 0.25 if args.dry_run else 4.0)
+    REPORT["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    raw = flash_config(args.layers, args.experts, args.dry_run)
+    cfg = ModelConfig.from_dict(raw)
+    hf = build_hf(raw, device)
+    log("built", round(time.perf_counter() - started, 1), "s")
+    longest, widest = max(args.contexts + args.engine_contexts), max(args.batches)
+    engine = EngineConfig(
+        device=device,
+        dtype="bfloat16",
+        page_size=128,
+        max_num_seqs=widest,
+        max_num_batched_tokens=8192,
+        max_total_tokens=widest * (longest + 256) + 8192,
+    )
+    runner = ModelRunner.from_weights(cfg, engine_weights(hf), engine)
+    core = CoreDriver(runner)
+    vocab = cfg.vocab_size
+    rng = random.Random(0)
+    REPORT["prefill"] = {}
+    for spec in args.prefills:
+        b, n = (int(v) for v in spec.split("x"))
+        times = []
+        for rep in range(3):
+            prompts = {f"p{rep}-{i}": [rng.randrange(2, vocab) for _ in range(n)] for i in range(b)}
+            times.append(core.prefill(prompts, b * n)[0])
+            core.free(list(prompts))
+        entry: dict[str, Any] = {"core_ms": round(statistics.median(times[1:]) * 1e3, 2)}
+        if not args.skip_hf:
+            entry["hf_ms"] = round(hf_prefill(hf, b, n, vocab), 2)
+            entry["hf_over_core"] = round(entry["hf_ms"] / entry["core_ms"], 2)
+        REPORT["prefill"][spec] = entry
+        log("prefill", spec, entry)
+        save(args)
+    nonexpert, per_expert = weight_bytes(hf, 1)
+    REPORT["decode"] = {}
+    for context in args.contexts:
+        for batch in args.batches:
+            key = f"b{batch}_ctx{context}"
+            prompts = {f"d{key}-{i}": [rng.randrange(2, vocab) for _ in range(context)] for i in range(batch)}
+            core.prefill(prompts, engine.max_num_batched_tokens)
+            rids = list(prompts)
+            experts = distinct_experts(runner, core, rids)
+            times = core.decode(rids, args.steps)
+            lengths = [core.lengths[r] for r in rids]
+            nbytes = {
+                "weights": nonexpert + (batch - 1) * cfg.hidden_size * 2,
+                "experts": sum(experts) * per_expert,
+                "kv": kv_bytes(cfg, lengths),
+            }
+            roofline = sum(nbytes.values()) / bandwidth * 1e3
+            entry = {
+                "core_ms": round(statistics.median(times[2:]) * 1e3, 3),
+                "roofline_ms": round(roofline, 3),
+                "bytes": nbytes,
+                "distinct_experts": experts,
+            }
+            entry["core_over_roofline"] = round(entry["core_ms"] / roofline, 2)
+            if batch in args.profile and context == min(args.contexts) and device == "cuda":
+                entry["profile_eager"] = profile_step(core, rids)
+            core.free(rids)
+            if not args.skip_hf:
+                entry["hf_ms"] = round(hf_run(hf, batch, context, min(args.steps, 8), vocab)["decode_ms"], 3)
+                entry["hf_over_core"] = round(entry["hf_ms"] / entry["core_ms"], 2)
+                entry["hf_over_roofline"] = round(entry["hf_ms"] / roofline, 2)
+            REPORT["decode"][key] = entry
+            log("decode", key, {k: v for k, v in entry.items() if k != "profile_eager"})
+            save(args)
+    REPORT["engine"] = engine_generate(runner, args, rng)
+    REPORT["seconds"] = round(time.perf_counter() - started, 1)
+    save(args)
+    print(json.dumps(REPORT))
+
+
+def engine_generate(runner: ModelRunner, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    """`Engine.generate` through the actor system: per decode step = (T(n + 1 tokens) - T(1 token)) / n."""
+    from dsv4serve import Engine, SamplingParams, logs
+    from dsv4serve.actors.system import SystemOptions
+    from dsv4serve.actors.tokenizer_core import load_tokenizer
+    from dsv4serve.models.tiny import copy_tokenizer
+
+    out: dict[str, Any] = {}
+    logs.configure("warning")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_tokenizer(Path(tmp))
+        tok = load_tokenizer(Path(tmp))
+        options = SystemOptions(model_dir=Path(tmp), engine=runner.engine, prebuilt=(runner, tok))
+        with Engine._of(options) as engine:
+            for context in args.engine_contexts:
+                for batch in args.batches:
+                    vocab = runner.model_cfg.vocab_size
+                    prompts = [[rng.randrange(2, vocab) for _ in range(context)] for _ in range(batch)]
+                    walls = []
+                    for tokens in (1, args.steps * 2 + 1):
+                        params = SamplingParams(max_tokens=tokens, temperature=0.0)
+                        begin = time.perf_counter()
+                        engine.generate(prompts, params)
+                        walls.append(time.perf_counter() - begin)
+                    per_step = (walls[1] - walls[0]) / (args.steps * 2) * 1e3
+                    key = f"b{batch}_ctx{context}"
+                    core_ms = REPORT["decode"].get(key, {}).get("core_ms")
+                    out[key] = {"engine_ms": round(per_step, 3), "core_ms": core_ms}
+                    if core_ms:
+                        out[key]["engine_over_core"] = round(per_step / core_ms, 3)
+                    log("engine", key, out[key])
+    return out
+
+
+if __name__ == "__main__":
+    main()

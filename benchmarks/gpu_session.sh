@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# A self-contained session on the lent H200 (see the device tool): installs the carried wheels
+# (.whl: transformers >= 5.23, trio, msgspec, structlog, ...), then runs what the first argument names:
+#   tests  - every Triton kernel test and the golden tests on CUDA (graphs on)
+#   bench  - benchmarks/bench_decode.py (JSON to $OUT/bench.json and stdout)
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+case "$1" in
+tests)
+    DSV4SERVE_TEST_DEVICE=cuda timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_*.py \
+        2>&1 | tee "$OUT/kernels.log" | tail -25
+    DSV4SERVE_TEST_DEVICE=cuda timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_golden_dsv4.py \
+        tests/test_golden_engine.py 2>&1 | tee "$OUT/golden.log" | tail -25
+    ;;
+bench)
+    shift
+    timeout 560 python3 benchmarks/bench_decode.py --out "$OUT/bench.json" "$@" 2> "$OUT/bench.err" \
+        | tee "$OUT/bench.stdout"
+    tail -40 "$OUT/bench.err"
+    ;;
+esac
