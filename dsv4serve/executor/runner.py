@@ -49,7 +49,7 @@ class ModelRunner:
         sizes: PoolSizes | None = None,
         ops: Backend | None = None,
     ) -> None:
-        """Load a checkpoint. `ops` overrides the device's backend (tests run the Triton one on CPU tensors)."""
+        """Load a checkpoint; `ops` overrides the device's backend (tests run Triton's on CPU tensors)."""
         cfg = ModelConfig.from_dir(model_dir)
         dtype = getattr(torch, engine.torch_dtype_name)
         weights = load_checkpoint(Path(model_dir), cfg, dtype=dtype, device=engine.device)

@@ -213,8 +213,8 @@ def routed_experts(
         assert w.stride(2) == 1 and w.stride(1) == hidden, "experts: rows of each expert contiguous"
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
         a, a_scale, q1, q3, s1, s3, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
-        a.stride(0), q1.stride(0), q3.stride(0), limit, INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=3,
+        a.stride(0), q1.stride(0), q3.stride(0), limit,
+        INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
     )  # fmt: skip
     if isinstance(w2, Int8Weight):
         hq, hs = quantize_rows(h)
@@ -225,7 +225,8 @@ def routed_experts(
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
         a2, a2_scale, q2, s2, pairs, block_expert, weights.contiguous(), y, num_pairs, num_experts, hidden,
-        inter, q2.stride(0), INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+        inter, q2.stride(0),
+        INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
     )  # fmt: skip
     block = min(pow2(hidden), 1024)
     _sum_slots_kernel[(T, triton.cdiv(hidden, block))](y, out, hidden, TOPK=top_k, BLOCK=block, num_warps=4)
