@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -61,7 +61,7 @@ class CoreDriver:
         self.last.update({o.rid: o.token_id for o in result.outputs})
         return elapsed
 
-    def prefill(self, prompts: dict[str, Sequence[int]], budget: int) -> list[float]:
+    def prefill(self, prompts: Mapping[str, Sequence[int]], budget: int) -> list[float]:
         """Whole prompts in steps of at most `budget` tokens (longer prompts in chunks)."""
         pending = {rid: list(p) for rid, p in prompts.items()}
         times = []
