@@ -208,4 +208,4 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         out = F.linear(rows, w)
     else:
         out = gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), w, x.dtype)
-    return out.view(*x.shape[:-1], -1)
+    return out.view(*x.shape[:-1], out.shape[-1])

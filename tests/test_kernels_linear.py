@@ -39,3 +39,9 @@ def test_int8_linear_is_exact_against_reference(m: int, n: int, k: int) -> None:
     x, w = on_device(torch.randn(m, k, generator=gen)), on_device(torch.randn(n, k, generator=gen))
     qw = quant.quantize_int8(w)
     torch.testing.assert_close(kt.linear(x, qw), quant.linear(x, qw), atol=0, rtol=1e-6)
+
+
+def test_linear_of_no_rows() -> None:
+    w = on_device(torch.randn(8, 16))
+    assert kt.linear(on_device(torch.zeros(0, 16)), w).shape == (0, 8)
+    assert kt.linear(on_device(torch.zeros(0, 16)), quant.quantize_int8(w)).shape == (0, 8)
