@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -32,6 +33,7 @@ from dsv4serve.attention.metadata import BatchItem, build_forward_batch
 from dsv4serve.bench import CoreDriver, sync
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.executor.runner import ModelRunner
+from dsv4serve.memory.paged import PoolSizes
 from dsv4serve.models.hf_names import official_weights
 from dsv4serve.models.weights import storage_dtype
 
@@ -195,15 +197,31 @@ def distinct_experts(runner: ModelRunner, core: CoreDriver, rids: list[str]) -> 
     return counts
 
 
-def profile_step(core: CoreDriver, rids: list[str]) -> list[dict[str, Any]]:
-    """Per-kernel device time of one eager decode step (graphs off), top 25."""
+def replay_ms(runner: ModelRunner) -> float | None:
+    """Device time of the last decode step's graph replayed alone (no host work around it)."""
+    graph = runner.graphs.last if runner.graphs is not None else None
+    if graph is None or graph.graph is None:
+        return None
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.graph.replay()  # the same step again: every write lands the same values
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def profile_step(core: CoreDriver, run: Any) -> list[dict[str, Any]]:
+    """Per-kernel device time of one eager step (graphs off), top 25."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, core.runner.graphs = core.runner.graphs, None
     try:
-        core.decode(rids, 1)
+        run()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            core.decode(rids, 1)
+            run()
     finally:
         core.runner.graphs = graphs
     rows = []
@@ -255,7 +273,11 @@ def main() -> None:
         max_num_batched_tokens=8192,
         max_total_tokens=widest * (longest + 256) + 8192,
     )
-    runner = ModelRunner.from_weights(cfg, engine_weights(hf), engine)
+    # the driver prefills every request before any decodes, so each holds its last chunk's SWA slots
+    # until then (the engine's sizing assumes a decode soon after): room for one chunk per request
+    sizes = PoolSizes.for_engine(cfg, engine)
+    sizes = replace(sizes, swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
+    runner = ModelRunner.from_weights(cfg, engine_weights(hf), engine, sizes)
     core = CoreDriver(runner)
     vocab = cfg.vocab_size
     rng = random.Random(0)
@@ -271,8 +293,16 @@ def main() -> None:
         if not args.skip_hf:
             entry["hf_ms"] = round(hf_prefill(hf, b, n, vocab), 2)
             entry["hf_over_core"] = round(entry["hf_ms"] / entry["core_ms"], 2)
+        if device == "cuda" and b * n == max(math.prod(int(v) for v in p.split("x")) for p in args.prefills):
+            prompts = {f"q{rep}-{i}": [rng.randrange(2, vocab) for _ in range(n)] for i in range(b)}
+
+            def one_prefill(prompts: dict[str, list[int]] = prompts, budget: int = b * n) -> None:
+                core.prefill(prompts, budget)
+                core.free(list(prompts))
+
+            entry["profile_eager"] = profile_step(core, one_prefill)
         REPORT["prefill"][spec] = entry
-        log("prefill", spec, entry)
+        log("prefill", spec, {k: v for k, v in entry.items() if k != "profile_eager"})
         save(args)
     nonexpert, per_expert = weight_bytes(hf, 1)
     REPORT["decode"] = {}
@@ -298,8 +328,10 @@ def main() -> None:
                 "distinct_experts": experts,
             }
             entry["core_over_roofline"] = round(entry["core_ms"] / roofline, 2)
+            if device == "cuda":
+                entry["replay_ms"] = round(replay_ms(runner) or 0.0, 3)
             if batch in args.profile and context == min(args.contexts) and device == "cuda":
-                entry["profile_eager"] = profile_step(core, rids)
+                entry["profile_eager"] = profile_step(core, lambda rids=rids: core.decode(rids, 1))
             core.free(rids)
             if not args.skip_hf:
                 entry["hf_ms"] = round(hf_run(hf, batch, context, min(args.steps, 8), vocab)["decode_ms"], 3)

@@ -26,6 +26,7 @@ from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.attention.step import StepMeta, prepare_step
 from dsv4serve.moe.experts import routed_experts_reference
+from dsv4serve.moe.routing import route
 from dsv4serve.quant import Weight, linear
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class Backend:
     sparse_attention: SparseAttention
     hc_pre: HcPre
     hc_post: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    route: Callable[..., tuple[Tensor, Tensor]]  # routing.route's keywords -> (weights, expert ids)
     routed_experts: Callable[..., Tensor]
     hadamard: Callable[[Tensor], Tensor]
 
@@ -74,6 +76,7 @@ REFERENCE = Backend(
     sparse_attention=reference.sparse_attention,
     hc_pre=mhc.hc_pre,
     hc_post=mhc.hc_post,
+    route=route,
     routed_experts=routed_experts_reference,
     hadamard=hadamard_transform,
 )

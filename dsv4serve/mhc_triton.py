@@ -16,9 +16,9 @@ import triton.language as tl
 from dsv4serve.mhc import HcParams, HyperConnection
 from dsv4serve.triton_utils import pow2
 
-BLOCK_K = 128
-MAX_SPLITS = 16
-MIX_ROWS = 32  # (2 + hc) * hc = 24 mixes, padded
+BLOCK_K = 256
+MAX_SPLITS = 64  # K-slices of the mixes GEMV: a single decode token still spreads over 64 programs
+MIX_ROWS = 32  # (2 + hc) * hc = 24 mixes, padded; the last column carries the sum of squares
 
 
 @triton.jit
@@ -61,14 +61,6 @@ def _mix_partials_kernel(
 
 
 @triton.jit
-def _mix_sum(ws_ptr, t, T, offs, SPLITS: tl.constexpr, MIX_ROWS: tl.constexpr):
-    total = tl.zeros(offs.shape, tl.float32)
-    for s in tl.static_range(SPLITS):
-        total += tl.load(ws_ptr + (s * T + t) * MIX_ROWS + offs)
-    return total
-
-
-@triton.jit
 def _hc_pre_epilogue_kernel(
     h_ptr,
     ws_ptr,
@@ -81,32 +73,34 @@ def _hc_pre_epilogue_kernel(
     T,
     D,
     K,
+    SPLITS,
     stride_ht,
     stride_hn,
     norm_eps,
     hc_eps,
     ITERS: tl.constexpr,
     HC: tl.constexpr,
-    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     MIX_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     DTYPE = h_ptr.dtype.element_ty
     n = tl.arange(0, HC)
-    sumsq = 0.0
-    for s in tl.static_range(SPLITS):
-        sumsq += tl.load(ws_ptr + (s * T + t) * MIX_ROWS + MIX_ROWS - 1)
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < SPLITS
+    part = ws_ptr + (sp * T + t) * MIX_ROWS  # (BLOCK_S,): the K-slices' partials, summed as one tile
+    sumsq = tl.sum(tl.load(part + MIX_ROWS - 1, mask=smask, other=0.0), axis=0)
     rs = tl.rsqrt(sumsq / K + norm_eps)  # the RMS of the flat streams
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(_mix_sum(ws_ptr, t, T, n, SPLITS, MIX_ROWS) * rs * s0 + tl.load(base_ptr + n)) + hc_eps
-    post = 2.0 * tl.sigmoid(
-        _mix_sum(ws_ptr, t, T, HC + n, SPLITS, MIX_ROWS) * rs * s1 + tl.load(base_ptr + HC + n)
-    )
+    pre_w = tl.sum(tl.load(part[:, None] + n[None, :], mask=smask[:, None], other=0.0), axis=0)
+    post_w = tl.sum(tl.load(part[:, None] + HC + n[None, :], mask=smask[:, None], other=0.0), axis=0)
     cm = 2 * HC + n[:, None] * HC + n[None, :]  # (HC, HC): row m, column n of comb
-    logits = _mix_sum(ws_ptr, t, T, cm, SPLITS, MIX_ROWS) * rs * s2 + tl.load(base_ptr + cm)
+    comb_w = tl.sum(
+        tl.load(part[:, None, None] + cm[None, :, :], mask=smask[:, None, None], other=0.0), axis=0
+    )
+    pre = tl.sigmoid(pre_w * rs * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps
+    post = 2.0 * tl.sigmoid(post_w * rs * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + n))
+    logits = comb_w * rs * tl.load(scale_ptr + 2) + tl.load(base_ptr + cm)
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
     comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
@@ -139,15 +133,16 @@ def hc_pre(
     K = n * D
     splits = min(MAX_SPLITS, triton.cdiv(K, BLOCK_K))
     per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(K, per_split)
     ws = torch.empty(splits, T, MIX_ROWS, dtype=torch.float32, device=h.device)
-    block_t = 16
+    block_t, block_k = (16, BLOCK_K) if T <= 16 else (64, 64)  # prefill: wider token tiles, no spills
     _mix_partials_kernel[(triton.cdiv(T, block_t), splits)](
         h, hc.fn, ws, T, K, per_split, (2 + n) * n, h.stride(0),
-        BLOCK_T=block_t, BLOCK_K=BLOCK_K, MIX_ROWS=MIX_ROWS, num_warps=4,
+        BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, num_warps=4,
     )  # fmt: skip
     _hc_pre_epilogue_kernel[(T,)](
-        h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, h.stride(0), h.stride(1),
-        p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, SPLITS=splits, MIX_ROWS=MIX_ROWS,
+        h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, splits, h.stride(0), h.stride(1),
+        p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS,
         BLOCK_D=pow2(D), num_warps=8 if D >= 2048 else 4,
     )  # fmt: skip
     return x, post, comb

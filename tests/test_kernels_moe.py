@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4serve.moe.experts import routed_experts_reference
-from dsv4serve.moe.experts_triton import align, routed_experts
+from dsv4serve.moe.experts_triton import align, align_torch, routed_experts
 from dsv4serve.moe.routing import route
 from dsv4serve.quant import quantize_int8
 from tests.kernel_cases import on_device
@@ -39,6 +39,20 @@ def test_align_puts_every_pair_once_in_a_block_of_its_expert() -> None:
                 seen.append(p)
     assert sorted(seen) == list(range(flat.numel()))
     assert pairs[:4].tolist() == [1, 4, 8, 8]  # expert 0: pairs in token order, then padding
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m"), [(1, 256, 6, 16), (64, 256, 6, 16), (37, 8, 3, 4)]
+)
+def test_one_program_align_equals_the_torch_align(
+    tokens: int, experts: int, top_k: int, block_m: int
+) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    ids = on_device(torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]))
+    flat = ids.reshape(-1)
+    max_blocks = -(-flat.numel() // block_m) + min(flat.numel(), experts)
+    got, want = align(ids, experts, block_m), align_torch(flat, experts, block_m, max_blocks)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize(

@@ -74,3 +74,13 @@ def test_different_positions_draw_different_samples() -> None:
     draws = {int(sample(logits, _params(1, position=p))[0][0]) for p in range(50)}
     assert len(draws) > 40
     assert math.isfinite(float(sample(logits, _params(1))[1][0]))
+
+
+def test_two_pass_argmax_is_the_first_maximum() -> None:
+    from dsv4serve.executor.sampling import argmax_rows
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 128 * 40, generator=gen).round()  # many exact ties
+    x[2, 17] = x[2, 4000] = 99.0  # the first of two equal maxima, in different chunks
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert int(argmax_rows(x)[2]) == 17

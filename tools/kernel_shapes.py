@@ -108,6 +108,12 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
         torch.randn(E, I_, hidden).to(tdt),
     )
     ops.routed_experts(x, weights, ids, w1, w2, w3, 10.0)
+    gate = torch.randn(E, hidden).to(tdt)
+    ops.route(x, gate, top_k=k, scoring="sqrtsoftplus", scaling=1.5, bias=torch.randn(E))
+    table = torch.stack([torch.randperm(E)[:k] for _ in range(cfg.vocab_size)])
+    ops.route(
+        x, gate, top_k=k, scoring="sqrtsoftplus", scaling=1.5, tid2eid=table, input_ids=case.batch.input_ids
+    )
     if dtype == "bfloat16":
         q1, q2, q3 = (quantize_int8(w.float()) for w in (w1, w2, w3))
         ops.routed_experts(x, weights, ids, q1, q2, q3, 10.0)

@@ -69,3 +69,11 @@ def topk_lowest_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
     column = torch.arange(scores.shape[-1], device=scores.device)
     keys = ordered * 2**32 + (2**32 - 1 - column)
     return keys.topk(k, dim=-1).indices
+
+
+def in_index_order(chosen: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Chosen entries (T, K) re-ordered by index, the invisible ones (-1) last: one canonical order, so
+    the attention's summation order never depends on how the choice was made. -> int32."""
+    big = torch.iinfo(torch.int32).max
+    ordered = torch.where(visible, chosen, big).sort(dim=-1).values
+    return torch.where(ordered == big, -1, ordered).int()

@@ -91,8 +91,11 @@ def _indexer(
     meta: StepMeta,
     cfg: ModelConfig,
     ops: Backend,
-) -> torch.Tensor:
-    """The lightning indexer's top `index_topk` visible ratio-4 entries per query: (T, K) int32, -1 = none."""
+) -> torch.Tensor | None:
+    """The lightning indexer's top `index_topk` visible ratio-4 entries per query: (T, K) int32, -1 = none;
+    None when no query of the step can see more than `index_topk` entries (then it chooses them all)."""
+    if meta.num_entries[4] <= cfg.index_topk:
+        return None
     T, Hi, Di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
     qi = ops.rope(ops.linear(q_lora, w.wq_b).view(T, Hi, Di), meta, True, False)  # (T, Hi, Di)
     head_w = ops.linear(x, w.weights_proj).float() * Hi**-0.5  # (T, Hi)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4serve.attention.core import in_index_order
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.triton_utils import pow2
 
@@ -106,5 +107,4 @@ def indexer_topk(
         num_warps=4,
     )
     chosen = sort_keys.topk(k, dim=-1).indices  # (T, k)
-    visible = chosen < ((meta.positions + 1) // 4)[:, None]
-    return torch.where(visible, chosen, -1).int()
+    return in_index_order(chosen, chosen < ((meta.positions + 1) // 4)[:, None])

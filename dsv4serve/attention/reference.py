@@ -62,14 +62,14 @@ def indexer_topk(
     """The lightning indexer's choice of ratio-4 entries per query.
 
     q: (T, Hi, Di) roped index queries; head_w: (T, Hi) fp32; keys: (slots, Di) the index-key pool.
-    Returns (T, min(topk, J)) int32 compressed indices, highest score first, exact ties to the lowest
-    index, -1 where fewer entries are visible.
+    Returns (T, min(topk, J)) int32 compressed indices of the `topk` highest scores (exact ties to the
+    lowest index), in index order, -1 (last) where fewer entries are visible.
     """
     cg = _geometry(meta).compress[4]
     scores = core.indexer_scores(q, keys[cg.entry_slots], head_w, scale)  # (T, J)
     scores = scores.masked_fill(~cg.entry_visible, float("-inf"))
     chosen = core.topk_lowest_ties(scores, min(topk, scores.shape[1]))  # (T, K)
-    return torch.where(cg.entry_visible.gather(1, chosen), chosen, -1).int()
+    return core.in_index_order(chosen, cg.entry_visible.gather(1, chosen))
 
 
 def sparse_attention(

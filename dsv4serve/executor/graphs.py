@@ -153,6 +153,7 @@ class DecodeGraphs:
         self.pad_row, self.device = pad_row, device
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.last: _Graph | None = None  # the graph the latest step replayed (benchmarks time it alone)
 
     def key(self, items: Sequence[StepItem]) -> GraphKey | None:
         """The graph a step replays, or None when it must run eagerly."""
@@ -177,6 +178,7 @@ class DecodeGraphs:
             graph.capture(self.step, self.pad_row, self.pool)
         graph.fill(items, seeds, self.pad_row)
         tokens, logprobs = graph.replay()
+        self.last = graph
         n = len(items)
         logits = graph.logits[:n].clone() if keep_logits else None
         return tokens[:n].tolist(), logprobs[:n].tolist(), logits

@@ -57,11 +57,16 @@ class ModelRunner:
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: dict[str, Weight], engine: EngineConfig, ops: Backend | None = None
+        cls,
+        cfg: ModelConfig,
+        weights: dict[str, Weight],
+        engine: EngineConfig,
+        sizes: PoolSizes | None = None,
+        ops: Backend | None = None,
     ) -> ModelRunner:
         """A runner over weights already on the device, by official name (benchmarks build random ones)."""
         runner = cls.__new__(cls)
-        runner._build(cfg, weights, engine, None, ops)
+        runner._build(cfg, weights, engine, sizes, ops)
         return runner
 
     def _build(

@@ -80,6 +80,17 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def argmax_rows(x: torch.Tensor, chunks: int = 128) -> torch.Tensor:
+    """Row argmax (the first maximum), in two passes for wide rows: a GPU reduces one row per block,
+    and one block over a 129k vocabulary is slow. x: (S, V) -> (S,) int64."""
+    S, V = x.shape
+    if V % chunks or 32 * chunks > V:
+        return x.argmax(dim=-1)
+    values, index = x.view(S, chunks, V // chunks).max(dim=-1)  # (S, chunks): first max of each chunk
+    best = values.argmax(dim=-1)  # the first chunk holding the row's maximum
+    return best * (V // chunks) + index.gather(1, best[:, None]).squeeze(1)
+
+
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (S, V) -> (token ids (S,), logprobs of those tokens under the model's distribution (S,)).
 
@@ -93,7 +104,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
         log_z = torch.logsumexp(logits, dim=-1)  # (S,): chosen logprob = logit - log Z, no log_softmax
         return logits.gather(1, tokens[:, None]).squeeze(1) - log_z
 
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)
     if params.all_greedy:
         return greedy, logprob(greedy)
     scaled = logits / params.temperature.clamp(min=1e-6)[:, None]
@@ -101,5 +112,5 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
         scaled = _filter(scaled, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
     race = probs / -torch.log(uniform(params.seed, params.position, logits.shape[-1]))
-    tokens = torch.where(params.temperature > 0, race.argmax(dim=-1), greedy)
+    tokens = torch.where(params.temperature > 0, argmax_rows(race), greedy)
     return tokens, logprob(tokens)

@@ -10,7 +10,7 @@ from dsv4serve.attention import compressor_triton, indexer_triton, norm_rope_tri
 from dsv4serve.attention.hadamard import hadamard_transform
 from dsv4serve.attention.step import prepare_step
 from dsv4serve.backend import Backend
-from dsv4serve.moe import experts_triton
+from dsv4serve.moe import experts_triton, routing_triton
 
 
 def triton_backend() -> Backend:
@@ -27,6 +27,7 @@ def triton_backend() -> Backend:
         sparse_attention=sparse_triton.sparse_attention,
         hc_pre=mhc_triton.hc_pre,
         hc_post=mhc_triton.hc_post,
+        route=partial(routing_triton.route, linear=quant_triton.linear),
         routed_experts=experts_triton.routed_experts,
         hadamard=hadamard_transform,
     )

@@ -20,7 +20,6 @@ from dsv4serve.config import ModelConfig
 from dsv4serve.memory.pools import flat
 from dsv4serve.mhc import HcParams, HyperConnection, hc_head
 from dsv4serve.moe.experts import swiglu
-from dsv4serve.moe.routing import route
 from dsv4serve.quant import Weight
 
 if TYPE_CHECKING:
@@ -159,7 +158,7 @@ class DeepseekV4:
 
     def _moe(self, x: torch.Tensor, w: MoEWeights, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
-        weights, ids = route(
+        weights, ids = self.ops.route(
             x,
             w.gate,
             top_k=cfg.num_experts_per_tok,

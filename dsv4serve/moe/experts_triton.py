@@ -20,22 +20,87 @@ from dsv4serve.quant import Int8Weight, Weight
 from dsv4serve.quant_triton import quantize_rows
 from dsv4serve.triton_utils import pow2
 
+SMALL_ALIGN = 1024  # at most this many pairs: align in one Triton program instead of a dozen torch ops
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    scratch_ptr,
+    N,
+    E,
+    MAX_BLOCKS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: the (token, slot) pairs sorted by expert (stable), each expert's run padded to
+    BLOCK_M; `scratch` (2 * BLOCK_E int32) holds per-expert offsets between the two phases."""
+    i = tl.arange(0, BLOCK_N)
+    valid = i < N
+    expert = tl.load(ids_ptr + i, mask=valid, other=BLOCK_E - 1).to(tl.int32)  # BLOCK_E - 1 >= E: a spare bin
+    counts = tl.histogram(expert, BLOCK_E)
+    x = tl.arange(0, BLOCK_E)
+    counts = tl.where(x < E, counts, 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    tl.store(scratch_ptr + x, (block_end - blocks) * BLOCK_M)  # first padded row of each expert
+    tl.store(scratch_ptr + BLOCK_E + x, tl.cumsum(counts, axis=0) - counts)  # first sorted rank of each
+    for r0 in range(0, MAX_BLOCKS * BLOCK_M, CHUNK):  # every row padding first
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(pairs_ptr + r, N, mask=r < MAX_BLOCKS * BLOCK_M)
+    for b0 in range(0, MAX_BLOCKS, CHUNK):  # block b belongs to the expert whose block range holds it
+        b = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.minimum(owner, E), mask=b < MAX_BLOCKS)
+    tl.debug_barrier()
+    key = tl.where(valid, expert * BLOCK_N + i, BLOCK_E * BLOCK_N)  # distinct: sorts by expert, then pair
+    key = tl.sort(key)
+    pair = key % BLOCK_N
+    sorted_expert = key // BLOCK_N
+    live = sorted_expert < E
+    e = tl.minimum(sorted_expert, BLOCK_E - 1)
+    rank = tl.arange(0, BLOCK_N) - tl.load(scratch_ptr + BLOCK_E + e)
+    row = tl.load(scratch_ptr + e) + rank
+    tl.store(pairs_ptr + row, pair.to(tl.int64), mask=live)
+
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair id per padded row (blocks * block_m,), n = padding; expert per block (blocks,), E = none)."""
     flat = ids.reshape(-1)
     n = flat.numel()
     max_blocks = triton.cdiv(n, block_m) + min(n, num_experts)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    if n <= SMALL_ALIGN:
+        pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=ids.device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int64, device=ids.device)
+        bins = pow2(num_experts + 1)
+        scratch = torch.empty(2 * bins, dtype=torch.int32, device=ids.device)
+        _align_small_kernel[(1,)](
+            flat, pairs, block_expert, scratch, n, num_experts, max_blocks,
+            BLOCK_M=block_m, BLOCK_N=pow2(n, 16), BLOCK_E=bins, CHUNK=64, num_warps=4,
+        )  # fmt: skip
+        return pairs, block_expert
+    return align_torch(flat, num_experts, block_m, max_blocks)
+
+
+def align_torch(
+    flat: torch.Tensor, num_experts: int, block_m: int, max_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align` for any number of pairs, in torch ops (fixed shapes, no host sync)."""
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m  # (E,)
     block_end = torch.cumsum(blocks, 0)
     order = torch.sort(flat, stable=True).indices  # pairs by expert, in token order within one
     expert = flat[order]
-    rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    pairs = torch.full((max_blocks * block_m,), n, dtype=torch.int64, device=ids.device)
+    rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    pairs = torch.full((max_blocks * block_m,), n, dtype=torch.int64, device=flat.device)
     pairs[(block_end - blocks)[expert] * block_m + rank] = order
-    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=ids.device), right=True)
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=flat.device), right=True)
     return pairs, block_expert
 
 
