@@ -364,16 +364,21 @@ def engine_generate(runner: ModelRunner, args: argparse.Namespace, rng: random.R
                 for batch in args.batches:
                     vocab = runner.model_cfg.vocab_size
                     prompts = [[rng.randrange(2, vocab) for _ in range(context)] for _ in range(batch)]
-                    walls = []
+                    walls, steps, preempted = [], [], []
                     for tokens in (1, args.steps * 2 + 1):
                         params = SamplingParams(max_tokens=tokens, temperature=0.0)
+                        before = engine.stats()
                         begin = time.perf_counter()
                         engine.generate(prompts, params)
                         walls.append(time.perf_counter() - begin)
+                        after = engine.stats()
+                        steps.append(after.num_steps - before.num_steps)
+                        preempted.append(after.num_preemptions - before.num_preemptions)
                     per_step = (walls[1] - walls[0]) / (args.steps * 2) * 1e3
                     key = f"b{batch}_ctx{context}"
                     core_ms = REPORT["decode"].get(key, {}).get("core_ms")
                     out[key] = {"engine_ms": round(per_step, 3), "core_ms": core_ms}
+                    out[key] |= {"steps": steps, "preemptions": preempted}
                     if core_ms:
                         out[key]["engine_over_core"] = round(per_step / core_ms, 3)
                     log("engine", key, out[key])

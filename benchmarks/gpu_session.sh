@@ -3,6 +3,7 @@
 # (.whl: transformers >= 5.23, trio, msgspec, structlog, ...), then runs what the first argument names:
 #   tests  - every Triton kernel test and the golden tests on CUDA (graphs on)
 #   bench  - benchmarks/bench_decode.py (JSON to $OUT/bench.json and stdout)
+#   kernels - benchmarks/bench_kernels.py (tile sweeps, JSON to stdout)
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -22,5 +23,8 @@ bench)
     timeout 560 python3 benchmarks/bench_decode.py --out "$OUT/bench.json" "$@" 2> "$OUT/bench.err" \
         | tee "$OUT/bench.stdout"
     tail -40 "$OUT/bench.err"
+    ;;
+kernels)
+    timeout 300 python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.json"
     ;;
 esac

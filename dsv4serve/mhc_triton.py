@@ -16,8 +16,8 @@ import triton.language as tl
 from dsv4serve.mhc import HcParams, HyperConnection
 from dsv4serve.triton_utils import pow2
 
-BLOCK_K = 256
-MAX_SPLITS = 64  # K-slices of the mixes GEMV: a single decode token still spreads over 64 programs
+BLOCK_K = 128
+MAX_SPLITS = 128  # K-slices of the mixes GEMV: a single decode token still spreads over 128 programs
 MIX_ROWS = 32  # (2 + hc) * hc = 24 mixes, padded; the last column carries the sum of squares
 
 
@@ -53,7 +53,7 @@ def _mix_partials_kernel(
         )
         h = h.to(tl.float32)
         fn = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.dot(h, tl.trans(fn), input_precision="ieee")
+        acc += tl.dot(h, tl.trans(fn), input_precision="tf32x3")  # fp32-accurate, on the tensor cores
         sumsq += tl.sum(h * h, axis=1)
     acc = tl.where(r[None, :] == MIX_ROWS - 1, sumsq[:, None], acc)
     dst = ws_ptr + (s * T + t.to(tl.int64))[:, None] * MIX_ROWS + r[None, :]
@@ -143,7 +143,7 @@ def hc_pre(
     _hc_pre_epilogue_kernel[(T,)](
         h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, splits, h.stride(0), h.stride(1),
         p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS,
-        BLOCK_D=pow2(D), num_warps=8 if D >= 2048 else 4,
+        BLOCK_D=pow2(D), num_warps=4,
     )  # fmt: skip
     return x, post, comb
 

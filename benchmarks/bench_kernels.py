@@ -1,0 +1,93 @@
+"""Tile sweeps of the heaviest Triton kernels at DeepSeek-V4-Flash dimensions on the GPU: the routed
+experts of an 8 x 1024 prefill (49,152 token-expert pairs over 256 experts) and sparse attention at
+prefill (8 x 1024) and decode (batch 1 and 64, 1k context). Prints one JSON object: median ms per
+variant, with the variant the package uses now marked "current".
+
+    python benchmarks/bench_kernels.py
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+import torch
+
+from dsv4serve.attention import sparse_triton
+from dsv4serve.moe import experts_triton
+from tests.kernel_cases import kernel_model, make_case
+from tools.kernel_shapes import FLASH
+
+
+def timed(fn: Any, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return round(statistics.median(times[1:]), 3)
+
+
+def moe_sweep() -> dict[str, float]:
+    tokens, experts, hidden, inter, k = 8192, 256, 4096, 2048, 6
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    ids = torch.rand(tokens, experts, device="cuda").argsort(-1)[:, :k]
+    weights = torch.rand(tokens, k, device="cuda", dtype=torch.bfloat16)
+    current = experts_triton._tiles
+    out: dict[str, float] = {}
+    tiles = [(64, 128, 64, 8), (128, 64, 64, 8), (128, 128, 64, 8), (64, 64, 64, 4), (128, 128, 32, 8)]
+    for tile in [None, *tiles]:
+        experts_triton._tiles = current if tile is None else (lambda *_, t=tile: t)  # type: ignore[misc]
+        name = "current" if tile is None else "x".join(map(str, tile))
+        out[name] = timed(
+            lambda: experts_triton.routed_experts(x, weights, ids, w13[:, :inter], w2, w13[:, inter:], 10.0)
+        )
+    experts_triton._tiles = current
+    return out
+
+
+def attention_sweep(steps: list[tuple[int, int]]) -> dict[str, float]:
+    cfg = kernel_model(**{**FLASH, "compress_ratios": [0, 4, 128]})
+    case = make_case(0, steps, page_size=64, dtype="bfloat16", cfg=cfg)
+    T, H, D = case.batch.num_tokens, cfg.num_heads, cfg.head_dim
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    sinks = torch.randn(H, device="cuda")
+    swa, cmp = case.pools.swa[1].view(-1, D), case.pools.c4[1].view(-1, D)
+    current = sparse_triton.CONFIG
+    configs = [(16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (16, 32, 4, 3), (32, 64, 8, 3)]
+    out: dict[str, float] = {}
+    for c in [None, *configs]:
+        sparse_triton.CONFIG = current if c is None else sparse_triton.AttentionConfig(*c)
+        name = "current" if c is None else "x".join(map(str, c))
+        try:
+            out[name] = timed(
+                lambda: sparse_triton.sparse_attention(q, swa, cmp, None, case.fused, sinks, D**-0.5, 4)
+            )
+        except Exception as exc:  # a tile that does not fit (shared memory) is reported, not fatal
+            out[name] = float("nan")
+            print(name, type(exc).__name__, str(exc)[:200])
+    sparse_triton.CONFIG = current
+    return out
+
+
+def main() -> None:
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "moe_prefill_8x1024": moe_sweep(),
+        "attention_prefill_8x1024": attention_sweep([(0, 1024)] * 8),
+        "attention_decode_b1_1k": attention_sweep([(1023, 1)]),
+        "attention_decode_b64_1k": attention_sweep([(1023, 1)] * 64),
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
