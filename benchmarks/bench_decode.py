@@ -347,7 +347,8 @@ def main() -> None:
 
 
 def engine_generate(runner: ModelRunner, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    """`Engine.generate` through the actor system: per decode step = (T(n + 1 tokens) - T(1 token)) / n."""
+    """`Engine.generate` through the actor system: per decode step = (T(n + 1 tokens) - T(1 token)) / n,
+    after a warm-up run of the same batch."""
     from dsv4serve import Engine, SamplingParams, logs
     from dsv4serve.actors.system import SystemOptions
     from dsv4serve.actors.tokenizer_core import load_tokenizer
@@ -365,6 +366,8 @@ def engine_generate(runner: ModelRunner, args: argparse.Namespace, rng: random.R
                     vocab = runner.model_cfg.vocab_size
                     prompts = [[rng.randrange(2, vocab) for _ in range(context)] for _ in range(batch)]
                     walls, steps, preempted = [], [], []
+                    # warm-up: graph captures and kernel compiles of this batch's buckets happen here
+                    engine.generate(prompts, SamplingParams(max_tokens=args.steps * 2 + 1, temperature=0.0))
                     for tokens in (1, args.steps * 2 + 1):
                         params = SamplingParams(max_tokens=tokens, temperature=0.0)
                         before = engine.stats()

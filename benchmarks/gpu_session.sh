@@ -4,6 +4,7 @@
 #   tests  - every Triton kernel test and the golden tests on CUDA (graphs on)
 #   bench  - benchmarks/bench_decode.py (JSON to $OUT/bench.json and stdout)
 #   kernels - benchmarks/bench_kernels.py (tile sweeps, JSON to stdout)
+#   all    - bench, then kernels
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -26,5 +27,12 @@ bench)
     ;;
 kernels)
     timeout 300 python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.json"
+    ;;
+all)
+    shift
+    timeout 400 python3 benchmarks/bench_decode.py --out "$OUT/bench.json" "$@" 2> "$OUT/bench.err" \
+        | tee "$OUT/bench.stdout"
+    tail -30 "$OUT/bench.err"
+    timeout 150 python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.json"
     ;;
 esac

@@ -308,8 +308,15 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = False
 
 
+LOOKAHEAD = -1  # the input id of a lookahead decode: the token its request's previous step samples
+
+
 class StepItem(msgspec.Struct, frozen=True, kw_only=True):
-    """One request's part of a step: the input ids of positions [prefix_len, prefix_len + len)."""
+    """One request's part of a step: the input ids of positions [prefix_len, prefix_len + len).
+
+    A lookahead decode (token_ids == (LOOKAHEAD,)) is planned while its request's previous step is
+    still in flight: its input is the token that step samples, which the executor takes on the device.
+    """
 
     rid: str
     prefix_len: int
@@ -321,6 +328,10 @@ class StepItem(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def seq_len(self) -> int:
         return self.prefix_len + len(self.token_ids)
+
+    @property
+    def is_lookahead(self) -> bool:
+        return self.token_ids == (LOOKAHEAD,)
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -429,7 +440,8 @@ class StepDone(_Msg, frozen=True, tag="step_done"):
 
 class RefusedItem(msgspec.Struct, frozen=True, kw_only=True):
     rid: str
-    pool: str  # 'full', 'swa', 'c4', 'c128', 'c4_state', 'c128_state' or 'rows'
+    pool: str  # 'full', 'swa', 'c4', 'c128', 'c4_state', 'c128_state', 'rows', or 'base' (a lookahead
+    # whose previous step was refused)
     reason: str
 
 

@@ -17,7 +17,7 @@ import trio.testing
 from event_helpers import events_of
 
 from dsv4serve import logs
-from dsv4serve.actors.executor import run_executor
+from dsv4serve.actors.executor import at_once, run_executor
 from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.system import EngineHandle, Parts, SystemOptions, run_actors
 from dsv4serve.config import EngineConfig, ModelConfig
@@ -75,6 +75,7 @@ class FakeDevice:
     fail_if: Callable[[StepPlan], bool] = lambda plan: False
     plans: list[StepPlan] = field(default_factory=list)
     failed: list[StepPlan] = field(default_factory=list)
+    last: dict[str, int] = field(default_factory=dict)
 
     async def write_locs(self, locs: Sequence[CacheLocs]) -> None:
         assert all(loc.row >= 0 for loc in locs)
@@ -86,7 +87,13 @@ class FakeDevice:
             self.failed.append(plan)
             raise RuntimeError("device on fire")
         assert all(item.row >= 0 for item in plan.items)
-        return [SampledToken(rid=i.rid, token_id=next_token(i)) for i in plan.items if i.sample]
+        out = []
+        for i in plan.items:  # a lookahead decode's input: its request's last sampled token
+            last = self.last.get(i.rid, FIRST) if i.is_lookahead else i.token_ids[-1]  # (base failed: any)
+            if i.sample:
+                self.last[i.rid] = FIRST + (last - FIRST + 1) % 26
+                out.append(SampledToken(rid=i.rid, token_id=self.last[i.rid]))
+        return out
 
 
 class CountingAllocator(KVAllocator):
@@ -105,7 +112,7 @@ class CountingAllocator(KVAllocator):
 
 def make_parts(device: FakeDevice, engine: EngineConfig = ENGINE) -> Parts:
     alloc = CountingAllocator(MODEL, engine)
-    return Parts(MODEL, alloc, letters, FakeDecoder(), device.write_locs, device.execute)
+    return Parts(MODEL, alloc, letters, FakeDecoder(), device.write_locs, at_once(device.execute))
 
 
 @asynccontextmanager
@@ -208,7 +215,7 @@ async def test_executor_turns_a_raising_step_into_failed_items(autojump_clock: o
         for n, r in enumerate("ab")
     )
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(run_executor, exec_inbox, to_sched, device.execute)
+        nursery.start_soon(run_executor, exec_inbox, to_sched, at_once(device.execute))
         for step in range(3):
             await to_exec.send(TablesReady(step=step, plan=StepPlan(step=step, items=items)))
         await to_exec.send(Drain())
@@ -284,7 +291,8 @@ async def test_drain_finishes_accepted_requests_then_refuses_new_ones(autojump_c
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(autojump_clock: object) -> None:
-    device = FakeDevice(fail_if=lambda plan: any(i.rid == "bad" for i in plan.items))
+    device = FakeDevice()
+    device.fail_if = lambda plan: not device.failed and any(i.rid == "bad" for i in plan.items)  # once
     async with running(device) as handle:
         chans = {rid: submit(handle, rid, max_tokens=4) for rid in ("a", "bad", "b")}
         ends = {rid: (await events_of(recv))[-1] for rid, recv in chans.items()}

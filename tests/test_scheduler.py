@@ -362,6 +362,80 @@ def test_oldest_request_holding_memory_is_never_preempted() -> None:
     assert s.on_refused(p3.step, ["c"]) == RefuseOutcome()
 
 
+# ---------------------------------------------------------------- lookahead
+
+
+def lookahead_core(**kw: int) -> SchedulerCore:
+    args = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, max_inflight_steps=2)
+    args.update(kw)
+    return SchedulerCore(**args, eos_token_ids=(EOS,), lookahead=True)
+
+
+def test_lookahead_plans_the_next_decode_while_the_step_is_in_flight() -> None:
+    s = lookahead_core()
+    s.add("a", [1, 2, 3], 5)
+    first, second = next_plan(s), next_plan(s)
+    assert shape(first) == [("a", 0, 3, True)]
+    assert second.items[0].is_lookahead and shape(second) == [("a", 3, 1, True)]
+    assert s.plan() is None  # the credit rule: two steps in flight
+    done = s.on_step_done(first.step, outputs_for(first, {"a": 7}))
+    assert [t.token_id for t in done.tokens] == [7] and not done.finished
+    third = next_plan(s)  # the lookahead of the lookahead, planned as soon as a credit is back
+    assert third.items[0].is_lookahead and shape(third) == [("a", 4, 1, True)]
+    s.on_step_done(second.step, outputs_for(second, {"a": 8}))
+    assert s.get("a").all_token_ids == [1, 2, 3, 7, 8]  # type: ignore[union-attr]
+
+
+def test_stop_token_in_flight_ends_with_the_lookahead_step_whose_token_is_dropped() -> None:
+    s = lookahead_core()
+    s.add("a", [1, 2], 9)
+    first, second = next_plan(s), next_plan(s)
+    out = s.on_step_done(first.step, outputs_for(first, {"a": EOS}))
+    assert not out.tokens and not out.finished  # memory still in use: the stop token waits with the end
+    assert s.plan() is None  # nothing new for a request that ended
+    end = s.on_step_done(second.step, outputs_for(second, {"a": 5}))
+    assert [t.token_id for t in end.tokens] == [EOS] and len(end.finished) == 1
+    f = end.finished[0]
+    assert (f.finish_reason, f.output_token_ids, f.stop_token_id, f.holds_memory) == (
+        "stop",
+        (EOS,),
+        EOS,
+        True,
+    )
+
+
+def test_no_lookahead_past_max_tokens() -> None:
+    s = lookahead_core()
+    s.add("a", [1, 2], 1)  # its first token is its last
+    first = next_plan(s)
+    assert s.plan() is None
+    assert s.on_step_done(first.step, outputs_for(first)).finished[0].finish_reason == "length"
+
+
+def test_refused_base_drops_its_lookahead_and_the_base_refusal_is_ignored() -> None:
+    s = lookahead_core()
+    s.add("a", [1, 2], 9)
+    s.add("b", [3], 9)
+    first, second = next_plan(s), next_plan(s)
+    assert {i.rid for i in second.items if i.is_lookahead} == {"a", "b"}
+    s.on_refused(first.step, ["b"])  # b's admission refused: its lookahead in `second` is dropped
+    assert s.get("b").state is RequestState.WAITING  # type: ignore[union-attr]
+    assert s.on_refused(second.step, ["b"]) == RefuseOutcome()  # the allocator's 'base' refusal
+    s.on_step_done(first.step, [SampledToken(rid="a", token_id=4)])
+    s.on_step_done(second.step, [SampledToken(rid="a", token_id=6)])
+    assert s.get("a").all_token_ids == [1, 2, 4, 6]  # type: ignore[union-attr]
+
+
+def test_cancel_during_lookahead_ends_after_both_steps() -> None:
+    s = lookahead_core()
+    s.add("a", [1, 2], 9)
+    first, second = next_plan(s), next_plan(s)
+    assert s.cancel("a").status is CancelStatus.DEFERRED
+    assert not s.on_step_done(first.step, outputs_for(first)).finished
+    end = s.on_step_done(second.step, outputs_for(second))
+    assert [f.finish_reason for f in end.finished] == ["cancelled"] and not end.tokens
+
+
 # ---------------------------------------------------------------- simulation
 
 
@@ -388,7 +462,8 @@ class Sim:
     exec_inbox: deque[tuple] = field(default_factory=deque)
     held: dict[str, int] = field(default_factory=dict)  # allocator: tokens held per rid
     kv: dict[str, list[int]] = field(default_factory=dict)  # executor: tokens cached per rid
-    inflight: dict[int, set[str]] = field(default_factory=dict)  # planned, not yet done
+    sampled: dict[str, int] = field(default_factory=dict)  # executor: each rid's last sampled token
+    inflight: dict[int, dict[str, bool]] = field(default_factory=dict)  # planned: rid -> lookahead
     executing: dict[int, set[str]] = field(default_factory=dict)  # granted, not yet done
     streamed: dict[str, list[int]] = field(default_factory=dict)
     finished: dict[str, Finished] = field(default_factory=dict)
@@ -404,8 +479,13 @@ class Sim:
             c = self.core
             assert plan.num_tokens <= c.max_num_batched_tokens and c.num_running <= c.max_num_seqs
             assert c.num_inflight_steps <= c.max_inflight_steps
-            rids = {i.rid for i in plan.items}
-            assert len(rids) == len(plan.items) and all(not (rids & s) for s in self.inflight.values())
+            rids = {i.rid: i.is_lookahead for i in plan.items}
+            fresh = {i.rid for i in plan.items if not i.is_lookahead}
+            assert len(rids) == len(plan.items) and all(
+                not (fresh & s.keys()) for s in self.inflight.values()
+            )
+            for item in plan.items:  # a lookahead decode follows its request's one other in-flight item
+                assert not item.is_lookahead or sum(item.rid in s for s in self.inflight.values()) == 1
             self.inflight[plan.step] = rids
             self.alloc_inbox.append(("allocate", plan))
 
@@ -432,7 +512,10 @@ class Sim:
             return
         granted, refused = [], []
         for item in arg.items:
-            assert self.held.get(item.rid, 0) == item.prefix_len
+            if self.held.get(item.rid, 0) != item.prefix_len:  # a lookahead whose base was refused
+                assert item.is_lookahead
+                refused.append(item.rid)
+                continue
             others = any(r != item.rid for r in self.held)
             used = sum(self.held.values()) + len(item.token_ids)
             if used > self.capacity or (others and self.rng.random() < self.refuse_p):
@@ -449,23 +532,30 @@ class Sim:
         step, items = self.exec_inbox.popleft()
         outputs, failed = [], []
         for item in items:
-            if self.rng.random() < self.fail_p:
+            kv = self.kv.setdefault(item.rid, [])
+            if self.rng.random() < self.fail_p or len(kv) != item.prefix_len:  # (the base item failed)
                 failed.append(item.rid)
                 continue
-            kv = self.kv.setdefault(item.rid, [])
-            assert len(kv) == item.prefix_len
-            kv.extend(item.token_ids)
+            kv.extend([self.sampled[item.rid]] if item.is_lookahead else item.token_ids)
             if item.sample:
-                outputs.append(SampledToken(rid=item.rid, token_id=next_token(kv)))
+                self.sampled[item.rid] = next_token(kv)
+                outputs.append(SampledToken(rid=item.rid, token_id=self.sampled[item.rid]))
         self.sched_inbox.append(("done", step, outputs, failed))
 
     def scheduler(self) -> None:
         msg = self.sched_inbox.popleft()
         if msg[0] == "refused":
             out = self.core.on_refused(msg[1], msg[2])
-            self.inflight[msg[1]] -= set(msg[2])
+            for rid in msg[2]:  # a refused item's lookahead, planned on it, is dropped too
+                if self.inflight[msg[1]].pop(rid, None) is None:
+                    continue  # itself a dropped lookahead, refused by the allocator ('base')
+                for step, items in self.inflight.items():
+                    if step > msg[1] and items.get(rid):
+                        del items[rid]
             for rid in out.preempted:
                 self.alloc_inbox.append(("free", rid))
+            for tok in out.tokens:
+                self.streamed.setdefault(tok.rid, []).append(tok.token_id)
             finished = out.finished
         else:
             res = self.core.on_step_done(msg[1], msg[2], msg[3])
@@ -516,8 +606,16 @@ limits_st = st.fixed_dictionaries(
 )
 
 
-def run_sim(limits: dict, arrivals: list[Arrival], rng: random.Random, capacity: int, chaos: bool) -> Sim:
-    sim = Sim(SchedulerCore(**limits, eos_token_ids=(EOS,)), capacity, rng, 0.3 * chaos, 0.02 * chaos)
+def run_sim(
+    limits: dict,
+    arrivals: list[Arrival],
+    rng: random.Random,
+    capacity: int,
+    chaos: bool,
+    lookahead: bool = False,
+) -> Sim:
+    scheduler = SchedulerCore(**limits, eos_token_ids=(EOS,), lookahead=lookahead)
+    sim = Sim(scheduler, capacity, rng, 0.3 * chaos, 0.02 * chaos)
     pending = deque(arrivals)
     for _ in range(rng.randint(0, 300)):
         choice = rng.randrange(6)
@@ -538,14 +636,14 @@ def run_sim(limits: dict, arrivals: list[Arrival], rng: random.Random, capacity:
 
 
 @settings(deadline=None, max_examples=150)
-@given(limits=limits_st, arrivals=arrivals_st, rng=st.randoms(use_true_random=False))
+@given(limits=limits_st, arrivals=arrivals_st, rng=st.randoms(use_true_random=False), lookahead=st.booleans())
 def test_simulation_invariants_and_preemption_is_invisible(
-    limits: dict, arrivals: list[Arrival], rng: random.Random
+    limits: dict, arrivals: list[Arrival], rng: random.Random, lookahead: bool
 ) -> None:
     capacity = limits["max_model_len"] + rng.randint(0, 20)  # any request fits alone
     seed = rng.getrandbits(32)
-    calm = run_sim(limits, arrivals, random.Random(seed), 10**9, chaos=False)
-    busy = run_sim(limits, arrivals, random.Random(seed), capacity, chaos=True)
+    calm = run_sim(limits, arrivals, random.Random(seed), 10**9, chaos=False, lookahead=lookahead)
+    busy = run_sim(limits, arrivals, random.Random(seed), capacity, chaos=True, lookahead=lookahead)
     for a in arrivals:
         reason, want = reference(a.prompt, a.max_tokens, {EOS, *a.stop}, limits["max_model_len"])
         f, g = calm.finished[a.rid], busy.finished[a.rid]
@@ -561,12 +659,12 @@ def test_simulation_invariants_and_preemption_is_invisible(
 
 
 @settings(deadline=None, max_examples=40)
-@given(limits=limits_st, arrivals=arrivals_st, rng=st.randoms(use_true_random=False))
+@given(limits=limits_st, arrivals=arrivals_st, rng=st.randoms(use_true_random=False), lookahead=st.booleans())
 def test_simulation_with_too_little_memory_fails_only_the_requests_that_cannot_fit(
-    limits: dict, arrivals: list[Arrival], rng: random.Random
+    limits: dict, arrivals: list[Arrival], rng: random.Random, lookahead: bool
 ) -> None:
     capacity = rng.randint(4, limits["max_model_len"])
-    sim = run_sim(limits, arrivals, random.Random(rng.getrandbits(32)), capacity, chaos=False)
+    sim = run_sim(limits, arrivals, random.Random(rng.getrandbits(32)), capacity, False, lookahead)
     assert sim.finished.keys() == {a.rid for a in arrivals}
     for a in arrivals:
         f = sim.finished[a.rid]

@@ -1,8 +1,9 @@
 """The allocator actor: a thin loop around `KVAllocator` (pools, free lists, six-tuples).
 
 For each step it decides the items in plan order: a refused item allocates nothing and is dropped
-from the plan; the step's `AllocRefused` goes to the scheduler before its granted part goes on to
-the kv_writer (so a fully refused step still returns its credit, and never reaches the executor).
+from the plan (a lookahead decode whose previous step was refused is refused too, pool 'base'); the
+step's `AllocRefused` goes to the scheduler before its granted part goes on to the kv_writer (so a
+fully refused step still returns its credit, and never reaches the executor).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def allocate_step(alloc: KVAllocator, plan: StepPlan) -> StepGrant:
     locs: list[CacheLocs] = []
     refusals: list[RefusedItem] = []
     for item in plan.items:
+        held = alloc.length_of(item.rid) if alloc.holds(item.rid) else 0
+        if held != item.prefix_len:  # a lookahead decode whose previous step was refused
+            assert item.is_lookahead, (item.rid, held, item.prefix_len)
+            refusals.append(RefusedItem(rid=item.rid, pool="base", reason="its previous step was refused"))
+            continue
         got = alloc.allocate(item.rid, item.prefix_len, item.seq_len, plan.step)
         if isinstance(got, Refusal):
             reason = f"{got.reason}: needs {got.needed_slots}, has {got.free_slots}"

@@ -71,28 +71,27 @@ class _Scheduler:
     allocator: trio.MemorySendChannel[AllocatorMsg]
     tokenizer: trio.MemorySendChannel[TokenizerMsg]
     gauges: SchedulerGauges
+    failures: dict[str, str] = field(default_factory=dict)  # rid -> why its step failed, until it ends
 
     async def step_done(self, msg: StepDone) -> None:
-        failures = {f.rid: f.message for f in msg.failed}
-        outcome = self.core.on_step_done(msg.step, msg.outputs, failures)
+        self.failures.update((f.rid, f.message) for f in msg.failed)  # a request may end a step later
+        outcome = self.core.on_step_done(msg.step, msg.outputs, [f.rid for f in msg.failed])
         now = trio.current_time()
         self.gauges.add_tokens(now, len(outcome.tokens))
-        await self.report(outcome.tokens, outcome.finished, failures)
+        await self.report(outcome.tokens, outcome.finished)
 
     async def refused(self, msg: AllocRefused) -> None:
         outcome = self.core.on_refused(msg.step, [r.rid for r in msg.refusals])
         for rid in outcome.preempted:
             self.gauges.num_preemptions += 1
             await self.allocator.send(Free(rid=rid, reason="preempted"))
-        await self.report((), outcome.finished, {})
+        await self.report(outcome.tokens, outcome.finished)
 
     async def ended_early(self, outcome: CancelOutcome) -> None:
         if outcome.finished is not None:
-            await self.report((), (outcome.finished,), {})
+            await self.report((), (outcome.finished,))
 
-    async def report(
-        self, tokens: Iterable[SampledToken], finished: Iterable[Finished], failures: dict[str, str]
-    ) -> None:
+    async def report(self, tokens: Iterable[SampledToken], finished: Iterable[Finished]) -> None:
         """Free what the finished requests hold; send every request's new ids (and end) as one message."""
         new = {t.rid: t for t in tokens}
         for fin in finished:
@@ -101,9 +100,10 @@ class _Scheduler:
                 reason: FreeReason = "finished" if fin.finish_reason in ("stop", "length") else "aborted"
                 await self.allocator.send(Free(rid=fin.rid, reason=reason))
             token = new.pop(fin.rid, None)
+            failure = self.failures.pop(fin.rid, "step failed")
             if fin.finish_reason == "error":
                 code: ErrorCode = "context_too_long" if fin.message == UNSERVABLE else "internal"
-                message = fin.message or failures.get(fin.rid, "step failed")
+                message = fin.message or failure
                 await self.tokenizer.send(FailRequest(rid=fin.rid, code=code, message=message))
             else:
                 ids, logprobs = _ids(token)

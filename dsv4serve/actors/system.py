@@ -26,7 +26,7 @@ import trio
 from transformers import PreTrainedTokenizerFast
 
 from dsv4serve.actors.allocator import run_allocator
-from dsv4serve.actors.executor import ExecuteFn, run_executor
+from dsv4serve.actors.executor import Collect, LaunchFn, run_executor
 from dsv4serve.actors.kv_writer import WriteLocsFn, run_kv_writer
 from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.tokenizer import Client, Clients, run_tokenizer
@@ -76,7 +76,7 @@ class Parts:
     encode: Callable[[str], list[int]]
     decoder: SupportsDecode
     write_locs: WriteLocsFn
-    execute: ExecuteFn
+    launch: LaunchFn
 
 
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
@@ -92,9 +92,13 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
     async def write_locs(locs: Sequence[CacheLocs]) -> None:
         await trio.to_thread.run_sync(write_cache_locs_batch, runner.tables, locs, limiter=limiter)
 
-    async def execute(plan: StepPlan) -> Sequence[SampledToken]:
-        result = await trio.to_thread.run_sync(runner.execute, plan, limiter=limiter)
-        return result.outputs
+    async def launch(plan: StepPlan) -> Collect:
+        pending = await trio.to_thread.run_sync(runner.launch, plan, limiter=limiter)
+
+        async def collect() -> Sequence[SampledToken]:  # waits for the device, not for the limiter
+            return (await trio.to_thread.run_sync(pending.wait)).outputs
+
+        return collect
 
     return Parts(
         model=runner.model_cfg,
@@ -102,7 +106,7 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
         encode=partial(encode_prompt, tok),
         decoder=tok,
         write_locs=write_locs,
-        execute=execute,
+        launch=launch,
     )
 
 
@@ -236,7 +240,12 @@ async def run_actors(
     to_writer, writer_inbox = trio.open_memory_channel[KVWriterMsg](k)
     to_executor, executor_inbox = trio.open_memory_channel[ExecutorMsg](k)
     core = SchedulerCore(
-        engine.max_num_seqs, engine.max_num_batched_tokens, max_model_len, k, parts.model.eos_token_ids
+        engine.max_num_seqs,
+        engine.max_num_batched_tokens,
+        max_model_len,
+        k,
+        parts.model.eos_token_ids,
+        lookahead=True,
     )
     clients, gauges = Clients(), SchedulerGauges()
     handle: EngineHandle | None = None
@@ -258,7 +267,7 @@ async def run_actors(
                     run_allocator, allocator_inbox, to_writer, to_scheduler.clone(), parts.allocator
                 )
                 nursery.start_soon(run_kv_writer, writer_inbox, to_executor, parts.write_locs)
-                nursery.start_soon(run_executor, executor_inbox, to_scheduler.clone(), parts.execute)
+                nursery.start_soon(run_executor, executor_inbox, to_scheduler.clone(), parts.launch, k)
             task_status.started(handle)
     except Exception:
         structlog.get_logger().bind(actor="system").exception("engine_crashed")

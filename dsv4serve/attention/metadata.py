@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4serve.devices import to_device
+
 
 @dataclass(frozen=True)
 class WindowMeta:
@@ -84,7 +86,9 @@ def build_forward_batch(
     for r, (reqs, idx) in win.items():
         parts[f"win_req{r}"], parts[f"win_index{r}"] = reqs, idx
     # one host tensor and one copy to the device, then views: not one transfer per field
-    flat = torch.tensor([v for values in parts.values() for v in values], dtype=torch.int64).to(device)
+    flat = to_device(
+        torch.tensor([v for values in parts.values() for v in values], dtype=torch.int64), device
+    )
     views = dict(zip(parts, flat.split([len(v) for v in parts.values()]), strict=True))
     return ForwardBatch(
         **{name: views[name] for name in list(parts)[:8]},

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 1
 MIN_CONTEXT = 256
 MASK32 = 0xFFFFFFFF
 
-StepFn = Callable[[ForwardBatch, SamplingBatch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+StepFn = Callable[[ForwardBatch, SamplingBatch], tuple[torch.Tensor, torch.Tensor]]  # -> (2, B) out, logits
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,6 @@ class _Graph:
         self.offsets = dict(zip(names, (sum(sizes[:i]) for i in range(len(sizes))), strict=True))
         self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
         self.floats = torch.zeros(2 * B, dtype=torch.float32, device=device)
-        self.host_ints = torch.zeros(self.ints.shape, dtype=torch.int64).pin_memory()
-        self.host_floats = torch.zeros(self.floats.shape, dtype=torch.float32).pin_memory()
-        self.host_tokens = torch.zeros(B, dtype=torch.int64).pin_memory()
-        self.host_logprobs = torch.zeros(B, dtype=torch.float32).pin_memory()
         v = {n: self.ints[o : o + s] for (n, o), s in zip(self.offsets.items(), sizes, strict=True)}
         self.forward_batch = ForwardBatch(
             **{n: v[n] for n in names[:8]},
@@ -78,13 +75,21 @@ class _Graph:
             key.greedy, key.filtered, key.logprobs,
         )  # fmt: skip
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.tokens = self.logprobs = self.logits = torch.zeros(0)
-        self.done = torch.cuda.Event()
+        self.out = self.logits = torch.zeros(0)  # static outputs: (2, B) ids and logprobs, (B, V)
 
-    def fill(self, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int) -> None:
-        """Write the step's inputs (items, then padding) into the pinned host buffers."""
-        B, n = self.batch, len(items)
-        ints, floats, off = self.host_ints.numpy(), self.host_floats.numpy(), self.offsets
+    def upload(self, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int) -> None:
+        """Copy the step's inputs (items, then padding) into the static buffers, without waiting: each
+        step stages them in fresh pinned memory (the one before may not have been copied yet)."""
+        host_ints = torch.empty(self.ints.shape, dtype=torch.int64, pin_memory=True)
+        host_floats = torch.empty(self.floats.shape, dtype=torch.float32, pin_memory=True)
+        self.fill(host_ints.numpy(), host_floats.numpy(), items, seeds, pad_row)
+        self.ints.copy_(host_ints, non_blocking=True)
+        self.floats.copy_(host_floats, non_blocking=True)
+
+    def fill(
+        self, ints: Any, floats: Any, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int
+    ) -> None:
+        B, n, off = self.batch, len(items), self.offsets
         prefix = [i.prefix_len for i in items]
 
         def put(name: str, values: Sequence[int], fill: int) -> None:
@@ -109,13 +114,8 @@ class _Graph:
         floats[n:B] = 0.0
         floats[B + n :] = 1.0
 
-    def upload(self) -> None:
-        self.ints.copy_(self.host_ints, non_blocking=True)
-        self.floats.copy_(self.host_floats, non_blocking=True)
-
     def capture(self, step: StepFn, pad_row: int, pool: object) -> None:
-        self.fill((), (), pad_row)
-        self.upload()
+        self.upload((), (), pad_row)  # a batch of padding only: every write lands on a sentinel
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compiles the kernels of these shapes
@@ -123,18 +123,8 @@ class _Graph:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]
-            self.tokens, self.logprobs, self.logits = step(self.forward_batch, self.params)
+            self.out, self.logits = step(self.forward_batch, self.params)
         self.graph = graph
-
-    def replay(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.graph is not None
-        self.upload()
-        self.graph.replay()
-        self.host_tokens.copy_(self.tokens, non_blocking=True)
-        self.host_logprobs.copy_(self.logprobs, non_blocking=True)
-        self.done.record()
-        self.done.synchronize()  # releases the GIL while the GPU works
-        return self.host_tokens, self.host_logprobs
 
 
 class DecodeGraphs:
@@ -168,17 +158,17 @@ class DecodeGraphs:
         context = context_bucket(max(i.seq_len for i in items), self.max_len)
         return GraphKey(batch, context, greedy, filtered, logprobs)
 
-    def run(
-        self, key: GraphKey, items: Sequence[StepItem], seeds: Sequence[int], keep_logits: bool = False
-    ) -> tuple[list[int], list[float], torch.Tensor | None]:
-        """Sampled ids and logprobs of the items (and a copy of their logits if asked)."""
+    def launch(
+        self, key: GraphKey, items: Sequence[StepItem], seeds: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the step's replay; returns the graph's static outputs ((2, B) ids and logprobs,
+        (B, V) logits), valid until its next replay."""
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _Graph(key, self.ratios, self.device)
             graph.capture(self.step, self.pad_row, self.pool)
-        graph.fill(items, seeds, self.pad_row)
-        tokens, logprobs = graph.replay()
+        graph.upload(items, seeds, self.pad_row)
+        assert graph.graph is not None
+        graph.graph.replay()
         self.last = graph
-        n = len(items)
-        logits = graph.logits[:n].clone() if keep_logits else None
-        return tokens[:n].tolist(), logprobs[:n].tolist(), logits
+        return graph.out, graph.logits

@@ -5,6 +5,7 @@ Owned by the executor actor (which calls it in a worker thread); tests drive it 
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,37 @@ from dsv4serve.quant import Weight, quantize_weights_int8
 class StepResult:
     outputs: tuple[SampledToken, ...]
     logits: torch.Tensor | None = None  # (S, V), or (T, V) with all_logits; only when asked
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A step queued on the device. `wait()` blocks until its ids are on the host (the GIL is
+    released meanwhile) and returns the step's result."""
+
+    sampled: tuple[StepItem, ...]
+    host: torch.Tensor  # (2, S) float64 ids and logprobs, filled by an asynchronous copy
+    done: torch.cuda.Event | None  # recorded after that copy (None on the CPU: already there)
+    logits: torch.Tensor | None
+
+    @classmethod
+    def of(cls, sampled: Sequence[StepItem], out: torch.Tensor, logits: torch.Tensor | None) -> PendingStep:
+        if out.device.type != "cuda":
+            return cls(tuple(sampled), out.cpu(), None, logits)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(tuple(sampled), host, done, logits)
+
+    def wait(self) -> StepResult:
+        if self.done is not None:
+            self.done.synchronize()
+        ids, logprobs = self.host.tolist()
+        outputs = tuple(
+            SampledToken(rid=i.rid, token_id=int(t), logprob=lp if i.sampling.logprobs else None)
+            for i, t, lp in zip(self.sampled, ids, logprobs, strict=True)
+        )
+        return StepResult(outputs, self.logits)
 
 
 def request_seed(rid: str, seed: int | None, engine_seed: int) -> int:
@@ -90,6 +122,7 @@ class ModelRunner:
         self.model = DeepseekV4(cfg, weights, rope, self.ops)
         self.ratios = cfg.compress_ratio_set
         self.tables.point_pad_row_at({p: self.pools.state_sentinel[p] for p in ("c4_state", "c128_state")})
+        self.last_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphs | None = None
         if engine.graphs and self.device.type == "cuda":
             max_len = engine.resolved_max_model_len(cfg)
@@ -104,29 +137,56 @@ class ModelRunner:
 
     def _forward_sample(
         self, batch: ForwardBatch, params: SamplingBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A whole decode step on the device (what a graph captures): logits, then sampling."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole decode step on the device (what a graph captures): (2, S) ids and logprobs, logits."""
+        batch = self._lookahead_inputs(batch)
         logits = self.model.forward(batch, self.pools, self.tables)
         tokens, logprobs = sample(logits, params)
-        return tokens, logprobs, logits
+        return self._keep_sampled(batch, tokens, logprobs), logits
+
+    def _lookahead_inputs(self, batch: ForwardBatch) -> ForwardBatch:
+        """Input ids with every LOOKAHEAD replaced by the token its request's previous step sampled."""
+        ids = batch.input_ids
+        kept = self.last_tokens[batch.rows[batch.token_req]]  # (T,)
+        return dataclasses.replace(batch, input_ids=torch.where(ids >= 0, ids, kept))
+
+    def _keep_sampled(
+        self, batch: ForwardBatch, tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> torch.Tensor:
+        """Remember each sampling request's token (a lookahead's input), return ids and logprobs (2, S)."""
+        self.last_tokens[batch.rows[batch.token_req[batch.sample_index]]] = tokens
+        return torch.stack([tokens.double(), logprobs.double()])
 
     def write_locs(self, locs: Sequence[CacheLocs]) -> None:
         write_cache_locs_batch(self.tables, locs)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> StepResult:
+        return self.launch(plan, all_logits, keep_logits).wait()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> PendingStep:
+        """Queue the step on the device and return at once; `wait()` on the result gives its tokens.
+
+        A decode step replays its captured graph; others run eagerly. Lookahead items take their
+        input from the previous step's sampled tokens on the device, so a step can be launched
+        before the one it follows has finished.
+        """
         assert all(i.row >= 0 for i in plan.items), "every item needs its table row"
         key = self.graphs.key(plan.items) if self.graphs is not None else None
         if key is not None and self.graphs is not None:  # a decode step: every token samples
             seeds = [request_seed(i.rid, i.sampling.seed, self.engine.seed) for i in plan.items]
-            ids, lps, kept = self.graphs.run(key, plan.items, seeds, keep_logits)
-            return StepResult(self._outputs(plan.items, ids, lps), kept)
+            out, logits = self.graphs.launch(key, plan.items, seeds)
+            kept = logits[: len(plan.items)].clone() if keep_logits else None
+            return PendingStep.of(plan.items, out[:, : len(plan.items)], kept)
         items = [BatchItem(i.row, i.prefix_len, i.token_ids, i.sample) for i in plan.items]
         batch = build_forward_batch(items, self.ratios, self.device)
+        if any(i.is_lookahead for i in plan.items):
+            batch = self._lookahead_inputs(batch)
         logits = self.model.forward(batch, self.pools, self.tables, all_logits=all_logits)
-        sampled = [i for i in plan.items if i.sample]
+        kept = logits if keep_logits else None
+        sampled = tuple(i for i in plan.items if i.sample)
         if not sampled:
-            return StepResult((), logits if keep_logits else None)
+            return PendingStep.of((), torch.zeros(2, 0, dtype=torch.float64, device=self.device), kept)
         rows = logits if not all_logits else logits[batch.sample_index]
         params = SamplingBatch.build(
             [i.sampling.temperature for i in sampled],
@@ -138,15 +198,4 @@ class ModelRunner:
             want_logprobs=any(i.sampling.logprobs for i in sampled),
         )
         tokens, logprobs = sample(rows, params)
-        return StepResult(
-            self._outputs(sampled, tokens.tolist(), logprobs.tolist()), logits if keep_logits else None
-        )
-
-    @staticmethod
-    def _outputs(
-        sampled: Sequence[StepItem], tokens: Sequence[int], logprobs: Sequence[float]
-    ) -> tuple[SampledToken, ...]:
-        return tuple(
-            SampledToken(rid=i.rid, token_id=t, logprob=lp if i.sampling.logprobs else None)
-            for i, t, lp in zip(sampled, tokens, logprobs, strict=True)
-        )
+        return PendingStep.of(sampled, self._keep_sampled(batch, tokens, logprobs), kept)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4serve.devices import to_device
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -41,10 +43,10 @@ class SamplingBatch:
         want_logprobs: bool = True,
     ) -> SamplingBatch:
         def f(v: Sequence[float]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.float32).to(device)
+            return to_device(torch.tensor(v, dtype=torch.float32), device)
 
         def i(v: Sequence[int]) -> torch.Tensor:
-            return torch.tensor([x & _MASK32 for x in v], dtype=torch.int64).to(device)
+            return to_device(torch.tensor([x & _MASK32 for x in v], dtype=torch.int64), device)
 
         all_greedy = all(t == 0 for t in temperature)
         needs_filter = any(k > 0 for k in top_k) or any(p < 1 for p in top_p)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.devices import to_device
 from dsv4serve.memory.paged import POOL_NAMES
 from dsv4serve.protocol import CacheLocs
 
@@ -100,8 +101,8 @@ def write_cache_locs_batch(tables: SlotTables, batch: Sequence[CacheLocs]) -> No
         seg = _segment_ids(counts)
         cols = torch.arange(seg.numel()) + (starts - torch.cumsum(counts, 0) + counts)[seg]
         table = tables.table(pool)
-        dev = table.device
-        table[rows[seg].to(dev), cols.to(dev)] = values.to(dev)
+        index = to_device(torch.stack([rows[seg], cols, values.long()]), table.device)  # one copy, no wait
+        table[index[0], index[1]] = index[2].int()
 
 
 def block_table(table: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -22,6 +22,14 @@ Policy, in a few lines:
   running) or no step in flight. Retrying sooner spins scheduler and allocator on refusals.
 - A request refused while nobody else held memory can never fit: it ends with "error".
 - Cancel/stop of a request in an in-flight step waits for that step (its memory is in use).
+- Lookahead (`lookahead=True`, as the engine runs it): a RUNNING request whose in-flight item samples
+  and that cannot end by length with that token gets its next decode in the next step right away, as
+  a lookahead item (input `LOOKAHEAD`: the token the in-flight step samples, taken on the device), so
+  the device never waits for the host between decode steps. Decodes then never wait for an in-flight
+  step (the whole decode batch moves together). If the in-flight step ends the request (a stop token,
+  a stop string, cancel, failure) the end waits for the lookahead step and its token is dropped; if the
+  allocator refuses the in-flight item, the lookahead item is dropped (the allocator refuses it too:
+  pool 'base').
 
 Driving it from the actor (one FIFO inbox):
   Tokenized -> add();  CancelRequest -> cancel();  StopHit -> stop()
@@ -36,9 +44,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from dsv4serve.protocol import SampledToken, SamplingSpec, StepItem, StepPlan
+from dsv4serve.protocol import LOOKAHEAD, SampledToken, SamplingSpec, StepItem, StepPlan
 from dsv4serve.scheduler.request import (
     CancelOutcome,
     CancelStatus,
@@ -64,6 +72,7 @@ class _Step:
     items: dict[str, _Planned]  # the items not refused (so far)
     full_at: tuple[int, int]  # the core's (releases, finishes) when it was planned
     had_room: bool  # planned with token budget left over
+    dropped: set[str] = field(default_factory=set)  # lookahead items dropped when their base was refused
 
 
 class SchedulerCore:
@@ -76,6 +85,7 @@ class SchedulerCore:
         max_model_len: int,
         max_inflight_steps: int = 2,
         eos_token_ids: Iterable[int] = (),
+        lookahead: bool = False,
     ) -> None:
         assert min(max_num_seqs, max_num_batched_tokens, max_model_len, max_inflight_steps) >= 1
         self.max_num_seqs = max_num_seqs
@@ -83,6 +93,7 @@ class SchedulerCore:
         self.max_model_len = max_model_len
         self.max_inflight_steps = max_inflight_steps
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.lookahead = lookahead
         self._requests: dict[str, Request] = {}
         self._waiting: list[Request] = []  # sorted by Request.queue_key
         self._running: dict[str, Request] = {}
@@ -147,9 +158,14 @@ class SchedulerCore:
         budget = self.max_num_batched_tokens
         planned: list[_Planned] = []
         idle = not self._inflight
-        hold_decodes = any(step.had_room for step in self._inflight.values())
+        hold_decodes = not self.lookahead and any(step.had_room for step in self._inflight.values())
         may_have_room = idle or self._num_releases > self._full_at[0]
         may_admit = idle or self._num_finishes > self._full_at[1]  # a preemption's room is not for newcomers
+        for req in self._lookahead_ready() if self.lookahead else ():
+            if budget == 0:
+                break
+            planned.append(_Planned(self._lookahead_item(req), admitted=False))
+            budget -= 1
         for req in self._idle_running():
             if budget == 0:
                 break
@@ -171,14 +187,23 @@ class SchedulerCore:
     def on_refused(self, step: int, rids: Iterable[str]) -> RefuseOutcome:
         """The allocator refused these items of `step`: they did not run and are rolled back.
         A step whose items are all refused is retired here (an empty StepDone for it is ignored)."""
-        record = self._inflight[step]
-        refused = self._take_refused(step, record, set(rids))
+        record = self._inflight.get(step)
+        if record is None:  # only dropped lookahead items were left: retired when they were dropped
+            return RefuseOutcome()
+        refused = self._take_refused(step, record, set(rids) - record.dropped)
         finished: list[Finished] = []
+        tokens: list[SampledToken] = []
         needy: list[Request] = []
         for p in refused:
-            req = self._roll_back(p)
+            if p.item.is_lookahead and self._requests[p.item.rid].lookahead_step == step:
+                # its base step goes on; no new lookahead (nor admission) until that step is done
+                self._requests[p.item.rid].lookahead_step = None
+                self._requests[p.item.rid].short_of_memory = True
+                continue
+            req = self._roll_back(p)  # (a lookahead whose base is done: a refused decode like any other)
             if req.pending_end is not None:
-                finished.append(self._finish(req, req.pending_end))
+                tokens.extend([req.pending_token] if req.pending_token else [])
+                finished.append(self._finish(req, req.pending_end, req.stop_token_id(req.pending_end)))
             elif p is refused[0] and self._was_alone(req, step, record):
                 finished.append(self._finish(req, "error", message=UNSERVABLE))
             else:
@@ -192,7 +217,7 @@ class SchedulerCore:
         victims = [] if older_inflight else self._choose_victims(needy)
         for victim in victims:
             self._preempt(victim)
-        return RefuseOutcome(tuple(v.rid for v in victims), tuple(finished))
+        return RefuseOutcome(tuple(v.rid for v in victims), tuple(finished), tuple(tokens))
 
     def on_step_done(
         self, step: int, outputs: Sequence[SampledToken], failed: Iterable[str] = ()
@@ -212,16 +237,26 @@ class SchedulerCore:
         for rid, p in items.items():
             req = self._requests[rid]
             assert req.inflight_step == step and req.num_computed == p.item.prefix_len
-            req.inflight_step = None
+            follow = req.lookahead_step  # a lookahead decode on this item's token, still in flight
+            req.inflight_step, req.lookahead_step = follow, None
             req.short_of_memory = False
             req.num_computed = p.item.seq_len
             if req.pending_end is not None or rid in failed_rids:
-                finished.append(self._finish(req, req.pending_end or "error"))
+                req.pending_end = req.pending_end or "error"
+                if follow is None:
+                    tokens.extend([req.pending_token] if req.pending_token else [])
+                    finished.append(self._finish(req, req.pending_end, req.stop_token_id(req.pending_end)))
             elif p.item.sample:
-                tokens.append(by_rid[rid])
-                ended = self._append(req, by_rid[rid].token_id)
-                if ended is not None:
-                    finished.append(ended)
+                token = by_rid[rid]
+                req.all_token_ids.append(token.token_id)
+                reason = req.end_reason(self.max_model_len)
+                if reason is not None and follow is not None:
+                    # ends with the lookahead step (whose token is dropped); its last token goes out then
+                    req.pending_end, req.pending_token = reason, token
+                    continue
+                tokens.append(token)
+                if reason is not None:
+                    finished.append(self._finish(req, reason, token.token_id if reason == "stop" else None))
         return StepOutcome(tuple(tokens), tuple(finished))
 
     def cancel(self, rid: str) -> CancelOutcome:
@@ -232,6 +267,27 @@ class SchedulerCore:
         return self._end_early(rid, "stop")
 
     # ------------------------------------------------------------------ helpers
+
+    def _lookahead_ready(self) -> list[Request]:
+        """RUNNING requests whose in-flight item samples and that go on after its token, by arrival."""
+        ready = []
+        for req in self._running.values():
+            if req.inflight_step is None or req.lookahead_step is not None or req.pending_end is not None:
+                continue
+            base = self._inflight[req.inflight_step].items.get(req.rid)
+            if base is None or not base.item.sample or req.short_of_memory:
+                continue
+            after = req.num_tokens + 1  # with the token the in-flight step samples
+            if after - req.prompt_len < req.max_tokens and after < self.max_model_len:
+                ready.append(req)
+        return sorted(ready, key=lambda r: r.arrival)
+
+    def _lookahead_item(self, req: Request) -> StepItem:
+        assert req.inflight_step is not None
+        base = self._inflight[req.inflight_step].items[req.rid].item
+        return StepItem(
+            rid=req.rid, prefix_len=base.seq_len, token_ids=(LOOKAHEAD,), sample=True, sampling=req.sampling
+        )
 
     def _idle_running(self) -> list[Request]:
         """RUNNING requests in no in-flight step: decode-ready ones first, then prefills; by arrival."""
@@ -246,7 +302,11 @@ class SchedulerCore:
         step = self._next_step
         self._next_step += 1
         for p in planned:
-            self._requests[p.item.rid].inflight_step = step
+            req = self._requests[p.item.rid]
+            if p.item.is_lookahead:
+                req.lookahead_step = step
+            else:
+                req.inflight_step = step
         counts = (self._num_releases, self._num_finishes)
         used = sum(len(p.item.token_ids) for p in planned)
         self._inflight[step] = _Step(
@@ -257,6 +317,13 @@ class SchedulerCore:
     def _roll_back(self, p: _Planned) -> Request:
         req = self._requests[p.item.rid]
         req.inflight_step = None
+        later, req.lookahead_step = req.lookahead_step, None
+        follow = self._inflight.get(later) if later is not None else None
+        if follow is not None:  # its lookahead item has no base now: the allocator refuses it too
+            del follow.items[req.rid]
+            follow.dropped.add(req.rid)
+            if not follow.items:
+                del self._inflight[later]  # type: ignore[arg-type]
         if p.admitted:
             del self._running[req.rid]
             self._enqueue(req)
@@ -306,13 +373,6 @@ class SchedulerCore:
     def _enqueue(self, req: Request) -> None:
         req.state = RequestState.WAITING
         bisect.insort(self._waiting, req, key=Request.queue_key)
-
-    def _append(self, req: Request, token_id: int) -> Finished | None:
-        req.all_token_ids.append(token_id)
-        reason = req.end_reason(self.max_model_len)
-        if reason is None:
-            return None
-        return self._finish(req, reason, stop_token_id=token_id if reason == "stop" else None)
 
     def _end_early(self, rid: str, reason: EndReason) -> CancelOutcome:
         req = self._requests.get(rid)

@@ -52,10 +52,12 @@ class CancelOutcome:
 @dataclass(frozen=True, slots=True)
 class RefuseOutcome:
     """preempted: rids to `Free(rid, "preempted")` (now WAITING, recomputed later).
-    finished: requests that ended (a deferred cancel/stop, or "error": cannot fit even alone)."""
+    finished: requests that ended (a deferred cancel/stop, or "error": cannot fit even alone).
+    tokens: the held last tokens of finished requests whose end a refused lookahead step kept waiting."""
 
     preempted: tuple[str, ...] = ()
     finished: tuple[Finished, ...] = ()
+    tokens: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,8 @@ class StepOutcome:
 @dataclass(slots=True, eq=False)
 class Request:
     """Scheduling state. `num_computed` counts tokens whose KV is cached (advanced when a step is
-    done); `inflight_step` is the one in-flight step that uses it, if any."""
+    done); `inflight_step` is the oldest in-flight step that uses it, if any; `lookahead_step` a later
+    one holding its lookahead decode (whose input is the token `inflight_step` samples)."""
 
     rid: str
     arrival: int
@@ -84,7 +87,9 @@ class Request:
     num_computed: int = 0
     num_preemptions: int = 0
     inflight_step: int | None = None
-    pending_end: EndReason | None = None  # a cancel/stop waiting for inflight_step
+    lookahead_step: int | None = None
+    pending_end: EndReason | None = None  # an end (cancel, stop, or found by a step) waiting for its steps
+    pending_token: SampledToken | None = None  # the last token of an end found by a step, held with it
     short_of_memory: bool = False  # RUNNING and refused since it last ran: admissions wait for it
     admitted_step: int = -1  # the step that last admitted it (WAITING -> RUNNING)
 
@@ -129,6 +134,10 @@ class Request:
         if self.num_tokens - self.prompt_len >= self.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None
+
+    def stop_token_id(self, reason: EndReason) -> int | None:
+        """The stop token that ended a deferred "stop" (None for a stop string or a cancel)."""
+        return self.pending_token.token_id if reason == "stop" and self.pending_token else None
 
     def finished(
         self, reason: EndReason, holds_memory: bool, stop_token_id: int | None = None, message: str = ""
