@@ -51,6 +51,22 @@ def moe_sweep() -> dict[str, float]:
             lambda: experts_triton.routed_experts(x, weights, ids, w13[:, :inter], w2, w13[:, inter:], 10.0)
         )
     experts_triton._tiles = current
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            out["torch_grouped_mm"] = timed(
+                lambda: experts_triton.grouped_mm_experts(
+                    x, weights, ids, w13[:, :inter], w2, w13[:, inter:], 10.0
+                )
+            )
+            want = experts_triton.routed_experts(
+                x[:512], weights[:512], ids[:512], w13[:, :inter], w2, w13[:, inter:], 10.0
+            )
+            got = experts_triton.grouped_mm_experts(
+                x[:512], weights[:512], ids[:512], w13[:, :inter], w2, w13[:, inter:], 10.0
+            )
+            out["torch_grouped_mm_rel_err"] = float((got.float() - want.float()).norm() / want.float().norm())
+        except Exception as exc:
+            print("grouped_mm", type(exc).__name__, str(exc)[:300])
     return out
 
 

@@ -90,3 +90,18 @@ def test_experts_as_views_of_a_stacked_gate_up_weight() -> None:
     want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0)
     got = routed_experts(x, weights, ids, gate_up[:, :inter], w2, gate_up[:, inter:], 1.0)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_shared_expert_rides_along_as_one_more_expert(int8: bool) -> None:
+    x, weights, ids, w1, w2, w3 = _inputs(6, 8, 2, 11)
+    gen = torch.Generator().manual_seed(12)
+    shared = tuple(
+        on_device(torch.randn(w.shape[1:], generator=gen) / w.shape[-1] ** 0.5) for w in (w1, w2, w3)
+    )
+    if int8:
+        w1, w2, w3 = (quantize_int8(w) for w in (w1, w2, w3))
+        shared = tuple(quantize_int8(w) for w in shared)
+    want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0, shared)  # type: ignore[arg-type]
+    got = routed_experts(x, weights, ids, w1, w2, w3, 1.0, shared)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -108,6 +108,8 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
         torch.randn(E, I_, hidden).to(tdt),
     )
     ops.routed_experts(x, weights, ids, w1, w2, w3, 10.0)
+    shared = (w1[0], w2[0], w3[0])
+    ops.routed_experts(x, weights, ids, w1, w2, w3, 10.0, shared)
     gate = torch.randn(E, hidden).to(tdt)
     ops.route(x, gate, top_k=k, scoring="sqrtsoftplus", scaling=1.5, bias=torch.randn(E))
     table = torch.stack([torch.randperm(E)[:k] for _ in range(cfg.vocab_size)])

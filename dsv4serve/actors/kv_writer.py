@@ -1,9 +1,9 @@
 """The kv_writer actor (the pre-write hook): writes each step's six-tuples into the per-request slot
 tables the attention kernels read, then tells the executor that the step's tables are ready.
 
-`write` is the device work (in the system: `write_cache_locs_batch` in a worker thread, under the
-device's limiter, so it is ordered with the executor's steps). It only touches the rows of this step's
-requests, none of which is in any in-flight step.
+`write` is the device work (in the system: `write_cache_locs_batch`, which only queues a copy and a
+store on the device's stream, ahead of the step that reads them). It only writes table entries of
+this step's new positions, which no step in flight reads.
 """
 
 from __future__ import annotations

@@ -86,11 +86,14 @@ def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizer
 
 
 def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
-    """Device work runs in a worker thread, under one CapacityLimiter(1) for the device."""
+    """Launches run in a worker thread, under one CapacityLimiter(1) for the device; collects wait in
+    worker threads too (the GIL released)."""
     limiter = trio.CapacityLimiter(1)
 
     async def write_locs(locs: Sequence[CacheLocs]) -> None:
-        await trio.to_thread.run_sync(write_cache_locs_batch, runner.tables, locs, limiter=limiter)
+        # on the trio thread: index arithmetic and an asynchronous copy + store, queued on the device's
+        # stream ahead of the step that reads them; it never waits for the device
+        write_cache_locs_batch(runner.tables, locs)
 
     async def launch(plan: StepPlan) -> Collect:
         pending = await trio.to_thread.run_sync(runner.launch, plan, limiter=limiter)

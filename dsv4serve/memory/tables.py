@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from dsv4serve.config import EngineConfig, ModelConfig
@@ -39,7 +40,14 @@ class SlotTables:
             "c4_state": length,
             "c128_state": length,
         }
-        make = {name: torch.zeros(rows, w, dtype=torch.int32, device=dev) for name, w in widths.items()}
+        # one buffer, each table a view of it: a step's writes to every table are one indexed store
+        self.flat = torch.zeros(rows * sum(widths.values()), dtype=torch.int32, device=dev)
+        self.base, self.width, offset = {}, widths, 0
+        make = {}
+        for name, w in widths.items():
+            self.base[name] = offset
+            make[name] = self.flat[offset : offset + rows * w].view(rows, w)
+            offset += rows * w
         self.full, self.swa, self.c4 = make["full"], make["swa"], make["c4"]
         self.c128, self.c4_state, self.c128_state = make["c128"], make["c4_state"], make["c128_state"]
 
@@ -80,29 +88,25 @@ def write_cache_locs(tables: SlotTables, locs: CacheLocs) -> None:
             tables.table(pool)[locs.row, start : start + len(data) // 4] = _slots_tensor(data)
 
 
-def _segment_ids(counts: torch.Tensor) -> torch.Tensor:
-    """[n] positive counts -> [sum] segment index of each element (repeat_interleave, minus its cost)."""
-    ends = torch.cumsum(counts, 0)
-    ids = torch.zeros(int(ends[-1]), dtype=torch.int64)
-    ids[ends[:-1]] = 1
-    return torch.cumsum(ids, 0)
-
-
 def write_cache_locs_batch(tables: SlotTables, batch: Sequence[CacheLocs]) -> None:
-    """Write many six-tuples at once: one indexed assignment (and one host->device copy) per field."""
+    """Write many six-tuples at once: host-side index arithmetic (numpy), then one host->device copy
+    and one indexed store into the tables' buffer, queued without waiting for the device."""
+    index, values = [], []
     for pool in POOL_NAMES:
         parts = [locs for locs in batch if getattr(locs, pool)]
         if not parts:
             continue
-        counts = torch.tensor([locs.count(pool) for locs in parts], dtype=torch.int64)
-        starts = torch.tensor([tables.first_index(pool, locs) for locs in parts], dtype=torch.int64)
-        rows = torch.tensor([locs.row for locs in parts], dtype=torch.int64)
-        values = _slots_tensor(b"".join(getattr(locs, pool) for locs in parts))
-        seg = _segment_ids(counts)
-        cols = torch.arange(seg.numel()) + (starts - torch.cumsum(counts, 0) + counts)[seg]
-        table = tables.table(pool)
-        index = to_device(torch.stack([rows[seg], cols, values.long()]), table.device)  # one copy, no wait
-        table[index[0], index[1]] = index[2].int()
+        counts = np.array([locs.count(pool) for locs in parts], dtype=np.int64)
+        first = np.array(
+            [locs.row * tables.width[pool] + tables.first_index(pool, locs) for locs in parts], dtype=np.int64
+        )
+        before = np.cumsum(counts) - counts  # slots of the earlier parts
+        index.append(tables.base[pool] + np.arange(int(counts.sum())) + np.repeat(first - before, counts))
+        values.append(np.frombuffer(b"".join(getattr(locs, pool) for locs in parts), dtype=np.int32))
+    if index:
+        packed = torch.from_numpy(np.stack([np.concatenate(index), np.concatenate(values).astype(np.int64)]))
+        on_device = to_device(packed, tables.flat.device)
+        tables.flat[on_device[0]] = on_device[1].int()
 
 
 def block_table(table: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -19,7 +19,6 @@ from dsv4serve.attention.step import StepMeta
 from dsv4serve.config import ModelConfig
 from dsv4serve.memory.pools import flat
 from dsv4serve.mhc import HcParams, HyperConnection, hc_head
-from dsv4serve.moe.experts import swiglu
 from dsv4serve.quant import Weight
 
 if TYPE_CHECKING:
@@ -168,10 +167,7 @@ class DeepseekV4:
             tid2eid=w.tid2eid,
             input_ids=batch.input_ids,
         )
-        out = self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit)
-        if w.shared is not None:
-            out = out + swiglu(x, *w.shared, limit=cfg.swiglu_limit, matmul=self.ops.linear)
-        return out
+        return self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit, w.shared)
 
 
 def _layer_cache(pools: KVPools, i: int, ratio: int) -> AttentionCache:

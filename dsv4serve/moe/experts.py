@@ -20,7 +20,7 @@ def swiglu(
 ) -> torch.Tensor:
     """down(silu(min(gate, limit)) * clamp(up, -limit, limit)); gate = x W1, up = x W3.
 
-    `matmul` is the backend's linear (the shared expert runs it); routed experts use the reference.
+    `matmul` is the linear to use (the reference's by default).
     """
     gate = matmul(x, w1).clamp(max=limit)
     up = matmul(x, w3).clamp(min=-limit, max=limit)
@@ -35,13 +35,17 @@ def routed_experts_reference(
     w2: Weight,
     w3: Weight,
     limit: float,
+    shared: tuple[Weight, Weight, Weight] | None = None,
 ) -> torch.Tensor:
-    """Sum over each token's chosen experts, accumulated in expert order.
+    """Sum over each token's chosen experts, accumulated in expert order, plus the shared expert.
 
-    x: (T, hidden); weights, ids: (T, k); w1, w3: (E, I, hidden); w2: (E, hidden, I).
-    The reference gathers tokens per expert (data-dependent shapes); graph backends use a
-    fixed-shape grouped GEMM with the same signature.
+    x: (T, hidden); weights, ids: (T, k); w1, w3: (E, I, hidden); w2: (E, hidden, I); shared: its
+    (w1, w2, w3), or None. The reference gathers tokens per expert (data-dependent shapes); graph
+    backends use a fixed-shape grouped GEMM with the same signature.
     """
+    if shared is not None:
+        routed = routed_experts_reference(x, weights, ids, w1, w2, w3, limit)
+        return routed + swiglu(x, *shared, limit=limit)
     out = torch.zeros_like(x)
     for e in range(w1.shape[0]):
         token, slot = torch.where(ids == e)
@@ -49,28 +53,4 @@ def routed_experts_reference(
             continue
         y = swiglu(x[token], w1[e], w2[e], w3[e], limit) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
-    return out
-
-
-def routed_experts_dense(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    w1: Weight,
-    w2: Weight,
-    w3: Weight,
-    limit: float,
-) -> torch.Tensor:
-    """Same result as the reference with fixed shapes and no host syncs (graph-capturable).
-
-    Every expert runs on every token and is weighted by the token's routing weight for it (0 when not
-    chosen): E/k times the FLOPs of the gathered form, so meant for small decode batches.
-    """
-    num_experts = w1.shape[0]
-    gate_of = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device)  # (T, E)
-    gate_of.scatter_(1, ids, weights)
-    out = torch.zeros_like(x)
-    for e in range(num_experts):
-        y = swiglu(x, w1[e], w2[e], w3[e], limit) * gate_of[:, e, None]
-        out += y.to(out.dtype)
     return out

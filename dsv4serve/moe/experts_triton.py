@@ -13,11 +13,13 @@ token and the SwiGLU output per pair (the reference's per-row activation quantiz
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dsv4serve.moe.experts import swiglu
 from dsv4serve.quant import Int8Weight, Weight
-from dsv4serve.quant_triton import quantize_rows
+from dsv4serve.quant_triton import linear, quantize_rows
 from dsv4serve.triton_utils import pow2
 
 SMALL_ALIGN = 1024  # at most this many pairs: align in one Triton program instead of a dozen torch ops
@@ -112,6 +114,10 @@ def _gate_up_kernel(
     w3_ptr,
     s1_ptr,
     s3_ptr,
+    sw1_ptr,
+    sw3_ptr,
+    ss1_ptr,
+    ss3_ptr,
     pairs_ptr,
     block_expert_ptr,
     h_ptr,
@@ -126,6 +132,7 @@ def _gate_up_kernel(
     limit,
     INT8: tl.constexpr,
     FP32: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -134,7 +141,8 @@ def _gate_up_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     DTYPE = h_ptr.dtype.element_ty
     e = tl.load(block_expert_ptr + b)
-    live = e < NUM_EXPERTS
+    live = e < NUM_EXPERTS + HAS_SHARED  # expert NUM_EXPERTS: the shared expert, when fused in
+    shared = e == NUM_EXPERTS
     ee = tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64)
     r = b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + r)
@@ -144,8 +152,8 @@ def _gate_up_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
     w_rows = n.to(tl.int64)[:, None] * HIDDEN
-    w1_rows = w1_ptr + ee * stride_w1 + w_rows
-    w3_rows = w3_ptr + ee * stride_w3 + w_rows
+    w1_rows = tl.where(shared, sw1_ptr + w_rows, w1_ptr + ee * stride_w1 + w_rows)
+    w3_rows = tl.where(shared, sw3_ptr + w_rows, w3_ptr + ee * stride_w3 + w_rows)
     for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < HIDDEN
@@ -163,8 +171,10 @@ def _gate_up_kernel(
             acc_u += tl.dot(a, tl.trans(w3))
     if INT8:
         xs = tl.load(x_scale_ptr + tok, mask=pmask, other=0.0)[:, None]
-        gate = acc_g.to(tl.float32) * xs * tl.load(s1_ptr + ee * INTER + n, mask=nmask, other=0.0)[None, :]
-        up = acc_u.to(tl.float32) * xs * tl.load(s3_ptr + ee * INTER + n, mask=nmask, other=0.0)[None, :]
+        s1 = tl.load(tl.where(shared, ss1_ptr + n, s1_ptr + ee * INTER + n), mask=nmask, other=0.0)
+        s3 = tl.load(tl.where(shared, ss3_ptr + n, s3_ptr + ee * INTER + n), mask=nmask, other=0.0)
+        gate = acc_g.to(tl.float32) * xs * s1[None, :]
+        up = acc_u.to(tl.float32) * xs * s3[None, :]
     else:
         gate, up = acc_g, acc_u
     gate = tl.minimum(gate.to(DTYPE).to(tl.float32), limit)
@@ -180,6 +190,8 @@ def _down_kernel(
     h_scale_ptr,
     w2_ptr,
     s2_ptr,
+    sw2_ptr,
+    ss2_ptr,
     pairs_ptr,
     block_expert_ptr,
     route_ptr,
@@ -191,6 +203,7 @@ def _down_kernel(
     stride_w2,
     INT8: tl.constexpr,
     FP32: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -199,14 +212,15 @@ def _down_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     DTYPE = y_ptr.dtype.element_ty
     e = tl.load(block_expert_ptr + b)
-    live = e < NUM_EXPERTS
+    live = e < NUM_EXPERTS + HAS_SHARED
+    shared = e == NUM_EXPERTS
     ee = tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64)
     r = (b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pair = tl.load(pairs_ptr + r)
     pmask = (pair < NUM_PAIRS) & live
     nmask = n < HIDDEN
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
-    w_rows = w2_ptr + ee * stride_w2 + n.to(tl.int64)[:, None] * INTER
+    w_rows = tl.where(shared, sw2_ptr, w2_ptr + ee * stride_w2) + n.to(tl.int64)[:, None] * INTER
     for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < INTER
@@ -218,7 +232,8 @@ def _down_kernel(
             acc += tl.dot(a, tl.trans(w))
     if INT8:
         hs = tl.load(h_scale_ptr + r, mask=pmask, other=0.0)[:, None]
-        y = acc.to(tl.float32) * hs * tl.load(s2_ptr + ee * HIDDEN + n, mask=nmask, other=0.0)[None, :]
+        s2 = tl.load(tl.where(shared, ss2_ptr + n, s2_ptr + ee * HIDDEN + n), mask=nmask, other=0.0)
+        y = acc.to(tl.float32) * hs * s2[None, :]
     else:
         y = acc
     weight = tl.load(route_ptr + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
@@ -241,7 +256,50 @@ def _tiles(num_pairs: int, fp32: bool, int8: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row blocks for decode-sized batches."""
     if num_pairs <= 2048:
         return 16, 64, 32 if fp32 else (64 if int8 else 128), 4
-    return 64, 128, 32 if fp32 else 64, 8
+    if fp32:
+        return 64, 64, 32, 4
+    return 128, 128, 64, 8  # the fastest of bench_kernels.py's sweep on the H200
+
+
+GROUPED_MM_PREFILL = False  # prefill-sized bf16 experts through torch._grouped_mm (CUTLASS) instead
+
+
+def grouped_mm_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The routed experts through torch's grouped GEMM (bf16, CUDA sm90): the pairs sorted by expert
+    (stable), three grouped GEMMs over the chosen experts only, the clamped SwiGLU between them with
+    the reference's rounding, then each token's k rows summed in slot order. No host sync."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # (P,) pairs by expert, token order within one
+    counts = torch.zeros(w1.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) each expert's last row + 1
+    rows = x[order // k]  # (P, hidden)
+    gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs).clamp(max=limit)  # (P, I)
+    up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offs).clamp(min=-limit, max=limit)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # (P, hidden)
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    by_pair = torch.empty_like(y)
+    by_pair[order] = y
+    out = torch.empty_like(x)
+    block = min(pow2(x.shape[1]), 1024)
+    _sum_slots_kernel[(T, triton.cdiv(x.shape[1], block))](
+        by_pair, out, x.shape[1], TOPK=k, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (w.qweight, w.scale) if isinstance(w, Int8Weight) else (w, None)
 
 
 def routed_experts(
@@ -252,47 +310,67 @@ def routed_experts(
     w2: Weight,
     w3: Weight,
     limit: float,
+    shared: tuple[Weight, Weight, Weight] | None = None,
 ) -> torch.Tensor:
+    """The chosen experts' SwiGLU outputs, weighted and summed per token, plus the shared expert's.
+
+    The shared expert rides along as expert E (every token's extra pair, weight 1) when its weights
+    have the routed ones' format and size: no launches of its own.
+    """
     T, hidden = x.shape
-    top_k = ids.shape[1]
     num_experts, inter, _ = w1.shape
     assert x.is_contiguous() and ids.shape == weights.shape and w2.shape == (num_experts, hidden, inter)
     int8 = isinstance(w1, Int8Weight)
     assert int8 == isinstance(w2, Int8Weight) == isinstance(w3, Int8Weight)
-    out = torch.empty_like(x)
+    fused = shared is not None and all(
+        isinstance(s, Int8Weight) == int8 and s.shape[-2:] == w.shape[1:]
+        for s, w in zip(shared, (w1, w2, w3), strict=True)
+    )
     if T == 0:
-        return out
-    num_pairs = T * top_k
+        return torch.zeros_like(x)
     fp32 = x.dtype == torch.float32
+    prefill_mm = GROUPED_MM_PREFILL and T * ids.shape[1] > 2048 and x.dtype == torch.bfloat16 and not int8
+    if shared is not None and (not fused or prefill_mm):  # computed on its own, then added
+        return routed_experts(x, weights, ids, w1, w2, w3, limit) + swiglu(
+            x, *shared, limit=limit, matmul=linear
+        )
+    if prefill_mm and x.is_cuda:
+        assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
+        return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit)
+    if shared is not None:  # the shared expert: expert E, chosen by every token with weight 1
+        ids = torch.cat([ids, torch.full((T, 1), num_experts, dtype=ids.dtype, device=ids.device)], dim=1)
+        weights = torch.cat([weights, torch.ones(T, 1, dtype=weights.dtype, device=weights.device)], dim=1)
+    top_k, num_pairs = ids.shape[1], ids.numel()
     bm, bn, bk, warps = _tiles(num_pairs, fp32, int8)
-    pairs, block_expert = align(ids.long(), num_experts, bm)
+    pairs, block_expert = align(ids.long(), num_experts + (shared is not None), bm)
     num_blocks = block_expert.numel()
     h = torch.empty(num_blocks * bm, inter, dtype=x.dtype, device=x.device)
-    if isinstance(w1, Int8Weight) and isinstance(w3, Int8Weight):
-        xq, xs = quantize_rows(x)
-        a, a_scale, q1, q3, s1, s3 = xq, xs, w1.qweight, w3.qweight, w1.scale, w3.scale
-    else:
-        assert isinstance(w1, torch.Tensor) and isinstance(w3, torch.Tensor)
-        a, a_scale, q1, q3, s1, s3 = x, x, w1, w3, x, x
-    for w in (q1, q3):
-        assert w.stride(2) == 1 and w.stride(1) == hidden, "experts: rows of each expert contiguous"
+    a, a_scale = quantize_rows(x) if int8 else (x, x)
+    (q1, s1), (q3, s3) = _parts(w1), _parts(w3)
+    (sq1, ss1), (sq3, ss3) = (
+        (_parts(shared[0]), _parts(shared[2])) if shared is not None else ((q1, s1), (q3, s3))
+    )
+    for w in (q1, q3, sq1, sq3):
+        assert w.stride(-1) == 1 and w.stride(-2) == hidden, "experts: rows of each expert contiguous"
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
-        a, a_scale, q1, q3, s1, s3, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
+        a, a_scale, q1, q3, s1 if int8 else a, s3 if int8 else a, sq1, sq3, ss1 if int8 else a,
+        ss3 if int8 else a, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
         a.stride(0), q1.stride(0), q3.stride(0), limit,
-        INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+        INT8=int8, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=3,
     )  # fmt: skip
-    if isinstance(w2, Int8Weight):
-        hq, hs = quantize_rows(h)
-        a2, a2_scale, q2, s2 = hq, hs, w2.qweight, w2.scale
-    else:
-        a2, a2_scale, q2, s2 = h, h, w2, h
-    assert q2.stride(2) == 1 and q2.stride(1) == inter
+    a2, a2_scale = quantize_rows(h) if int8 else (h, h)
+    q2, s2 = _parts(w2)
+    sq2, ss2 = _parts(shared[1]) if shared is not None else (q2, s2)
+    assert q2.stride(-1) == 1 and q2.stride(-2) == inter and sq2.stride(-1) == 1
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
-        a2, a2_scale, q2, s2, pairs, block_expert, weights.contiguous(), y, num_pairs, num_experts, hidden,
-        inter, q2.stride(0),
-        INT8=int8, FP32=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3,
+        a2, a2_scale, q2, s2 if int8 else a2, sq2, ss2 if int8 else a2, pairs, block_expert,
+        weights.contiguous(), y, num_pairs, num_experts, hidden, inter, q2.stride(0),
+        INT8=int8, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=3,
     )  # fmt: skip
+    out = torch.empty_like(x)
     block = min(pow2(hidden), 1024)
     _sum_slots_kernel[(T, triton.cdiv(hidden, block))](y, out, hidden, TOPK=top_k, BLOCK=block, num_warps=4)
     return out

@@ -15,12 +15,15 @@ clamp-then-SiLU form), and a weighted un-permute back to tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from dsv4serve.moe.experts import swiglu
 from dsv4serve.quant import Int8Weight, Weight
+from dsv4serve.quant_npu import npu_linear
 
 ExpertsFn = Callable[..., torch.Tensor]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -37,6 +40,7 @@ def npu_routed_experts(
     w2: Weight,
     w3: Weight,
     limit: float,
+    shared: tuple[Weight, Weight, Weight] | None = None,
     *,
     npu: ModuleType,
     fallback: ExpertsFn,
@@ -48,6 +52,9 @@ def npu_routed_experts(
     With bf16 activations the int8 GEMMs use the weight scales rounded to bf16 (the only per-token
     row of the documented dtype table with a bf16 output); fp16 keeps them in fp32.
     """
+    if shared is not None:  # the shared expert through the W8A8 / float linear of the npu backend
+        routed = npu_routed_experts(x, weights, ids, w1, w2, w3, limit, npu=npu, fallback=fallback)
+        return routed + swiglu(x, *shared, limit=limit, matmul=partial(npu_linear, npu=npu))
     if not _supported(x, w1, w2, w3):
         return fallback(x, weights, ids, w1, w2, w3, limit)
     _check_layout(x, weights, ids, w1, w2, w3)
