@@ -105,3 +105,13 @@ def test_shared_expert_rides_along_as_one_more_expert(int8: bool) -> None:
     want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0, shared)  # type: ignore[arg-type]
     got = routed_experts(x, weights, ids, w1, w2, w3, 1.0, shared)  # type: ignore[arg-type]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_prefill_sized_experts_close_to_reference() -> None:
+    """More than 2048 pairs: the prefill tiles (and on CUDA, torch._grouped_mm), shared expert added."""
+    x, weights, ids, w1, w2, w3 = _inputs(1100, 8, 2, 13)
+    shared = (w1[0], w2[0], w3[0])
+    want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0, shared)
+    b = [t.bfloat16() for t in (x, weights, w1, w2, w3)]
+    got = routed_experts(b[0], b[1], ids, b[2], b[3], b[4], 1.0, (b[2][0], b[3][0], b[4][0])).float()
+    assert float((got - want).norm() / want.norm()) < 2e-2

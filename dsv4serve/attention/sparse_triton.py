@@ -31,7 +31,9 @@ class AttentionConfig:
     num_stages: int = 2
 
 
-CONFIG = AttentionConfig()
+CONFIG = AttentionConfig()  # decode-sized steps: many programs per token (latency)
+PREFILL_CONFIG = AttentionConfig(block_h=64, block_n=32, num_warps=8)  # one key tile serves all heads
+PREFILL_TOKENS = 64  # steps with more tokens than this use PREFILL_CONFIG (the H200 sweep's best)
 
 
 @triton.jit
@@ -176,7 +178,7 @@ def sparse_attention(
         idx, num_idx, stride_idx = indices, indices.shape[1], indices.stride(0)
     else:
         idx, num_idx, stride_idx = meta.positions, 0, 0
-    cfg = CONFIG
+    cfg = PREFILL_CONFIG if T > PREFILL_TOKENS and q.dtype != torch.float32 else CONFIG
     _sparse_attention_kernel[(T, triton.cdiv(H, cfg.block_h))](
         q,
         swa,

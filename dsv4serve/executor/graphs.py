@@ -22,6 +22,7 @@ from dsv4serve.protocol import StepItem
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 MIN_CONTEXT = 256
+CONTEXT_STEP_UNTIL = 32768
 MASK32 = 0xFFFFFFFF
 
 StepFn = Callable[[ForwardBatch, SamplingBatch], tuple[torch.Tensor, torch.Tensor]]  # -> (2, B) out, logits
@@ -45,9 +46,17 @@ def batch_bucket(n: int, limit: int) -> int | None:
 
 
 def context_bucket(longest: int, max_len: int) -> int:
-    bucket = MIN_CONTEXT
-    while bucket < longest:
-        bucket *= 2
+    """256, 512, then every 1024 up to 32k, then powers of two: little more than live context."""
+    if longest <= 1024:
+        bucket = MIN_CONTEXT
+        while bucket < longest:
+            bucket *= 2
+    elif longest <= CONTEXT_STEP_UNTIL:
+        bucket = -(-longest // 1024) * 1024
+    else:
+        bucket = CONTEXT_STEP_UNTIL
+        while bucket < longest:
+            bucket *= 2
     return min(bucket, max_len)
 
 

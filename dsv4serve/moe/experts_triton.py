@@ -261,7 +261,9 @@ def _tiles(num_pairs: int, fp32: bool, int8: bool) -> tuple[int, int, int, int]:
     return 128, 128, 64, 8  # the fastest of bench_kernels.py's sweep on the H200
 
 
-GROUPED_MM_PREFILL = False  # prefill-sized bf16 experts through torch._grouped_mm (CUTLASS) instead
+# prefill-sized bf16 experts through torch._grouped_mm (CUTLASS): 7.6 vs 8.2 ms per layer for 8 x 1024
+# tokens on the H200 (benchmarks/bench_kernels.py)
+GROUPED_MM_PREFILL = hasattr(torch, "_grouped_mm")
 
 
 def grouped_mm_experts(
@@ -329,12 +331,13 @@ def routed_experts(
     if T == 0:
         return torch.zeros_like(x)
     fp32 = x.dtype == torch.float32
-    prefill_mm = GROUPED_MM_PREFILL and T * ids.shape[1] > 2048 and x.dtype == torch.bfloat16 and not int8
+    prefill_mm = GROUPED_MM_PREFILL and T * ids.shape[1] > 2048 and x.dtype == torch.bfloat16 and x.is_cuda
+    prefill_mm = prefill_mm and not int8
     if shared is not None and (not fused or prefill_mm):  # computed on its own, then added
         return routed_experts(x, weights, ids, w1, w2, w3, limit) + swiglu(
             x, *shared, limit=limit, matmul=linear
         )
-    if prefill_mm and x.is_cuda:
+    if prefill_mm:
         assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
         return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit)
     if shared is not None:  # the shared expert: expert E, chosen by every token with weight 1

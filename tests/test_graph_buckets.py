@@ -1,0 +1,31 @@
+"""Decode-graph bucketing (pure functions; the capture and replay run in the CUDA golden tests)."""
+
+from __future__ import annotations
+
+import itertools
+
+from dsv4serve.executor.graphs import BATCH_BUCKETS, batch_bucket, context_bucket, is_decode
+from dsv4serve.protocol import LOOKAHEAD, SamplingSpec, StepItem
+
+
+def test_context_buckets_follow_live_context_closely() -> None:
+    assert [context_bucket(n, 10**6) for n in (1, 256, 257, 1024, 1025, 8192, 8193)] == [
+        256, 256, 512, 1024, 2048, 8192, 9216,
+    ]  # fmt: skip
+    assert context_bucket(40_000, 10**6) == 65536 and context_bucket(5000, 4096) == 4096
+    for n in range(1, 40_000, 37):
+        bucket = context_bucket(n, 10**6)
+        assert (
+            bucket >= n
+            and (bucket <= 2 * n or bucket == 256)
+            and (n > 1024 >= bucket - n or n <= 1024 or n > 32768)
+        )
+
+
+def test_batch_buckets_and_what_counts_as_a_decode_step() -> None:
+    assert batch_bucket(1, 64) == 1 and batch_bucket(5, 64) == 8 and batch_bucket(64, 64) == 64
+    assert batch_bucket(65, 64) is None and all(a < b for a, b in itertools.pairwise(BATCH_BUCKETS))
+    spec = SamplingSpec()
+    decode = StepItem(rid="a", prefix_len=5, token_ids=(LOOKAHEAD,), sample=True, sampling=spec)
+    chunk = StepItem(rid="b", prefix_len=0, token_ids=(1, 2), sample=True, sampling=spec)
+    assert is_decode([decode]) and not is_decode([decode, chunk]) and not is_decode([])
