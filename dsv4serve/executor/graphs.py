@@ -161,8 +161,10 @@ class DecodeGraphs:
         batch = batch_bucket(len(items), self.max_seqs)
         if batch is None:
             return None
-        greedy = all(i.sampling.temperature == 0 for i in items)
-        filtered = not greedy and any(i.sampling.top_k > 0 or i.sampling.top_p < 1 for i in items)
+        specs = [i.sampling for i in items]
+        greedy, filtered = SamplingBatch.flags(
+            [s.temperature for s in specs], [s.top_p for s in specs], [s.top_k for s in specs]
+        )
         logprobs = any(i.sampling.logprobs for i in items)
         context = context_bucket(max(i.seq_len for i in items), self.max_len)
         return GraphKey(batch, context, greedy, filtered, logprobs)

@@ -111,7 +111,6 @@ class ModelRunner:
     ) -> None:
         self.engine, self.model_cfg = engine, cfg
         self.device = torch.device(engine.device)
-        self.dtype = getattr(torch, engine.torch_dtype_name)
         self.ops: Backend = ops or select_backend(engine.device)
         self.sizes = sizes or PoolSizes.for_engine(cfg, engine)
         self.pools = KVPools(cfg, self.sizes, engine)

@@ -31,6 +31,14 @@ class SamplingBatch:
     needs_filter: bool = True  # host-known: some row uses top-k or top-p
     want_logprobs: bool = True  # host-known: some row asked for logprobs (else skip the logsumexp)
 
+    @staticmethod
+    def flags(
+        temperature: Sequence[float], top_p: Sequence[float], top_k: Sequence[int]
+    ) -> tuple[bool, bool]:
+        """(all_greedy, needs_filter): the host-known shape of the sampling work."""
+        all_greedy = all(t == 0 for t in temperature)
+        return all_greedy, not all_greedy and (any(k > 0 for k in top_k) or any(p < 1 for p in top_p))
+
     @classmethod
     def build(
         cls,
@@ -48,8 +56,7 @@ class SamplingBatch:
         def i(v: Sequence[int]) -> torch.Tensor:
             return to_device(torch.tensor([x & _MASK32 for x in v], dtype=torch.int64), device)
 
-        all_greedy = all(t == 0 for t in temperature)
-        needs_filter = any(k > 0 for k in top_k) or any(p < 1 for p in top_p)
+        all_greedy, needs_filter = cls.flags(temperature, top_p, top_k)
         return cls(
             f(temperature), f(top_p), i(top_k), i(seed), i(position), all_greedy, needs_filter, want_logprobs
         )

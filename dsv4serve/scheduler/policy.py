@@ -202,8 +202,7 @@ class SchedulerCore:
                 continue
             req = self._roll_back(p)  # (a lookahead whose base is done: a refused decode like any other)
             if req.pending_end is not None:
-                tokens.extend([req.pending_token] if req.pending_token else [])
-                finished.append(self._finish(req, req.pending_end, req.stop_token_id(req.pending_end)))
+                finished.append(self._end_pending(req, tokens))
             elif p is refused[0] and self._was_alone(req, step, record):
                 finished.append(self._finish(req, "error", message=UNSERVABLE))
             else:
@@ -244,8 +243,7 @@ class SchedulerCore:
             if req.pending_end is not None or rid in failed_rids:
                 req.pending_end = req.pending_end or "error"
                 if follow is None:
-                    tokens.extend([req.pending_token] if req.pending_token else [])
-                    finished.append(self._finish(req, req.pending_end, req.stop_token_id(req.pending_end)))
+                    finished.append(self._end_pending(req, tokens))
             elif p.item.sample:
                 token = by_rid[rid]
                 req.all_token_ids.append(token.token_id)
@@ -382,6 +380,13 @@ class SchedulerCore:
             req.pending_end = req.pending_end or reason
             return CancelOutcome(CancelStatus.DEFERRED)
         return CancelOutcome(CancelStatus.FINISHED, self._finish(req, reason))
+
+    def _end_pending(self, req: Request, tokens: list[SampledToken]) -> Finished:
+        """Finish a request whose end waited for its steps; its held last token (if any) goes out now."""
+        assert req.pending_end is not None
+        if req.pending_token is not None:
+            tokens.append(req.pending_token)
+        return self._finish(req, req.pending_end, req.stop_token_id(req.pending_end))
 
     def _finish(
         self, req: Request, reason: EndReason, stop_token_id: int | None = None, message: str = ""
