@@ -107,6 +107,26 @@ def align_torch(
 
 
 @triton.jit
+def _block_pairs(
+    block_expert_ptr, pairs_ptr, b, NUM_EXPERTS, NUM_PAIRS, HAS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """Block b's expert (NUM_EXPERTS: the shared one, when fused in) and its padded rows:
+    (live, shared, expert for addressing, row ids, pair ids, which rows hold a pair)."""
+    e = tl.load(block_expert_ptr + b)
+    live = e < NUM_EXPERTS + HAS_SHARED
+    r = (b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair = tl.load(pairs_ptr + r)
+    return (
+        live,
+        e == NUM_EXPERTS,
+        tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64),
+        r,
+        pair,
+        (pair < NUM_PAIRS) & live,
+    )
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     x_scale_ptr,
@@ -140,13 +160,9 @@ def _gate_up_kernel(
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     DTYPE = h_ptr.dtype.element_ty
-    e = tl.load(block_expert_ptr + b)
-    live = e < NUM_EXPERTS + HAS_SHARED  # expert NUM_EXPERTS: the shared expert, when fused in
-    shared = e == NUM_EXPERTS
-    ee = tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64)
-    r = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + r)
-    pmask = (pair < NUM_PAIRS) & live
+    live, shared, ee, r, pair, pmask = _block_pairs(
+        block_expert_ptr, pairs_ptr, b, NUM_EXPERTS, NUM_PAIRS, HAS_SHARED, BLOCK_M
+    )
     tok = (tl.minimum(pair, NUM_PAIRS - 1) // TOPK).to(tl.int64)
     nmask = n < INTER
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
@@ -181,7 +197,7 @@ def _gate_up_kernel(
     up = tl.minimum(tl.maximum(up.to(DTYPE).to(tl.float32), -limit), limit)
     silu = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
     h = (silu * up).to(DTYPE)
-    tl.store(h_ptr + r.to(tl.int64)[:, None] * INTER + n[None, :], h, mask=live & nmask[None, :])
+    tl.store(h_ptr + r[:, None] * INTER + n[None, :], h, mask=live & nmask[None, :])
 
 
 @triton.jit
@@ -211,13 +227,9 @@ def _down_kernel(
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     DTYPE = y_ptr.dtype.element_ty
-    e = tl.load(block_expert_ptr + b)
-    live = e < NUM_EXPERTS + HAS_SHARED
-    shared = e == NUM_EXPERTS
-    ee = tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64)
-    r = (b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    pair = tl.load(pairs_ptr + r)
-    pmask = (pair < NUM_PAIRS) & live
+    live, shared, ee, r, pair, pmask = _block_pairs(
+        block_expert_ptr, pairs_ptr, b, NUM_EXPERTS, NUM_PAIRS, HAS_SHARED, BLOCK_M
+    )
     nmask = n < HIDDEN
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
     w_rows = tl.where(shared, sw2_ptr, w2_ptr + ee * stride_w2) + n.to(tl.int64)[:, None] * INTER
