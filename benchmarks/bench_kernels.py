@@ -1,6 +1,7 @@
 """Tile sweeps of the heaviest Triton kernels at DeepSeek-V4-Flash dimensions on the GPU: the routed
 experts of an 8 x 1024 prefill (49,152 token-expert pairs over 256 experts) and sparse attention at
-prefill (8 x 1024) and decode (batch 1 and 64, 1k context). Prints one JSON object: median ms per
+prefill (8 x 1024) and decode (batch 1, 8, 16 and 64 at 1k context; batch 1 at 8k over 512 picks), the
+small steps with and without splitting the keys over programs. Prints one JSON object: median ms per
 variant, with the variant the package uses now marked "current".
 
     python benchmarks/bench_kernels.py
@@ -70,27 +71,47 @@ def moe_sweep() -> dict[str, float]:
     return out
 
 
-def attention_sweep(steps: list[tuple[int, int]]) -> dict[str, float]:
-    cfg = kernel_model(**{**FLASH, "compress_ratios": [0, 4, 128]})
+def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> dict[str, float]:
+    """Median ms of one ratio-4 attention call per tile config of `which` (CONFIG, SPLIT_CONFIG);
+    `topk` > 0 attends to that many indexer picks per token instead of every visible entry."""
+    cfg = kernel_model(**{**FLASH, "compress_ratios": [0, 4, 128], "max_position_embeddings": 16384})
     case = make_case(0, steps, page_size=64, dtype="bfloat16", cfg=cfg)
     T, H, D = case.batch.num_tokens, cfg.num_heads, cfg.head_dim
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
     sinks = torch.randn(H, device="cuda")
     swa, cmp = case.pools.swa[1].view(-1, D), case.pools.c4[1].view(-1, D)
-    current = sparse_triton.CONFIG
-    configs = [(16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (16, 32, 4, 3), (32, 64, 8, 3)]
+    idx = None
+    if topk:
+        visible = (case.batch.positions + 1) // 4
+        idx = (
+            (torch.rand(T, case.batch.max_seq_len // 4, device="cuda") * (visible[:, None] > 0))
+            .argsort(-1, descending=True)[:, :topk]
+            .int()
+        )
+    current = getattr(sparse_triton, which)
+    if which == "SPLIT_CONFIG":
+        configs = [(16, 32, 8, 2, 32), (16, 32, 4, 2, 64), (32, 32, 8, 2, 32), (64, 32, 8, 2, 32)]
+        configs += [(16, 64, 8, 2, 64), (16, 32, 4, 3, 32)]
+    else:
+        configs = [(16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (16, 32, 4, 3)]
     out: dict[str, float] = {}
     for c in [None, *configs]:
-        sparse_triton.CONFIG = current if c is None else sparse_triton.AttentionConfig(*c)
+        setattr(sparse_triton, which, current if c is None else sparse_triton.AttentionConfig(*c))
         name = "current" if c is None else "x".join(map(str, c))
         try:
             out[name] = timed(
-                lambda: sparse_triton.sparse_attention(q, swa, cmp, None, case.fused, sinks, D**-0.5, 4)
+                lambda: sparse_triton.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
             )
         except Exception as exc:  # a tile that does not fit (shared memory) is reported, not fatal
             out[name] = float("nan")
             print(name, type(exc).__name__, str(exc)[:200])
-    sparse_triton.CONFIG = current
+    setattr(sparse_triton, which, current)
+    if which == "SPLIT_CONFIG":  # the same step without splitting
+        tokens, sparse_triton.SPLIT_TOKENS = sparse_triton.SPLIT_TOKENS, 0
+        out["no_split"] = timed(
+            lambda: sparse_triton.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
+        )
+        sparse_triton.SPLIT_TOKENS = tokens
     return out
 
 
@@ -98,9 +119,12 @@ def main() -> None:
     report = {
         "gpu": torch.cuda.get_device_name(),
         "moe_prefill_8x1024": moe_sweep(),
-        "attention_prefill_8x1024": attention_sweep([(0, 1024)] * 8),
-        "attention_decode_b1_1k": attention_sweep([(1023, 1)]),
-        "attention_decode_b64_1k": attention_sweep([(1023, 1)] * 64),
+        "attention_prefill_8x1024": attention_sweep([(0, 1024)] * 8, "PREFILL_CONFIG"),
+        "attention_decode_b1_1k": attention_sweep([(1023, 1)], "SPLIT_CONFIG"),
+        "attention_decode_b8_1k": attention_sweep([(1023, 1)] * 8, "SPLIT_CONFIG"),
+        "attention_decode_b16_1k": attention_sweep([(1023, 1)] * 16, "SPLIT_CONFIG"),
+        "attention_decode_b1_8k_top512": attention_sweep([(8191, 1)], "SPLIT_CONFIG", topk=512),
+        "attention_decode_b64_1k": attention_sweep([(1023, 1)] * 64, "CONFIG"),
     }
     print(json.dumps(report))
 

@@ -11,9 +11,10 @@ import torch
 torch.set_num_threads(1)
 if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tests.triton_interpreter import patch_bf16_dot
+    from tests.triton_interpreter import patch_bf16_cast, patch_bf16_dot
 
     patch_bf16_dot()
+    patch_bf16_cast()
 
 
 @pytest.fixture(scope="session")

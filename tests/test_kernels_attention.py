@@ -1,6 +1,7 @@
 """Triton sparse attention against the reference on random ragged steps: windows that cross pages,
 prefill chunks mixed with decodes, CSA picks with padding (-1), HCA, SWA-only layers, and pools
-poisoned with NaN / inf wherever no correct read goes (interpreter on CPU)."""
+poisoned with NaN / inf wherever no correct read goes (interpreter on CPU). Both paths: one program
+per (token, heads), and the keys split over programs with a combine (the decode path)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.kernel_cases import Case, make_case, on_device
 STEPS = [
     [(0, 9), (20, 1), (3, 5), (47, 1)],  # chunks after a cached prefix, decodes, windows crossing pages
     [(0, 1), (0, 2), (63, 1)],  # tiny requests: windows shorter than W, no compressed entry yet
+    [(300, 1), (150, 2), (5, 1)],  # long contexts: several compressed chunks per token when split
 ]
 
 
@@ -29,10 +31,18 @@ def _indices(case: Case, gen: torch.Generator, topk: int) -> torch.Tensor:
     return on_device(out)
 
 
+@pytest.fixture(params=["split", "whole"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which kernel path every step takes: keys split over programs (small steps) or not."""
+    monkeypatch.setattr(kt, "SPLIT_TOKENS", 1 << 20 if request.param == "split" else 0)
+    monkeypatch.setattr(kt, "SPLIT_CONFIG", kt.AttentionConfig(block_n=16, split=16))  # several splits
+    return str(request.param)
+
+
 @pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("ratio", [0, 4, 16])
 @pytest.mark.parametrize("poison", [False, True])
-def test_sparse_attention_matches_reference(steps: list, ratio: int, poison: bool) -> None:
+def test_sparse_attention_matches_reference(steps: list, ratio: int, poison: bool, path: str) -> None:
     case = make_case(5, steps, page_size=4, poison=poison)
     layer = case.cfg.compress_ratios.index(ratio)
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
@@ -43,14 +53,14 @@ def test_sparse_attention_matches_reference(steps: list, ratio: int, poison: boo
     cmp = None
     if ratio:
         cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D)
-    idx = _indices(case, gen, 5) if ratio == 4 else None
+    idx = _indices(case, gen, 40) if ratio == 4 else None
     ref = reference.sparse_attention(q, swa, cmp, idx, case.ref, sinks, D**-0.5, ratio)
     got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, ratio)
     assert not ref.isnan().any()
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_sparse_attention_bf16_close_to_fp32_reference() -> None:
+def test_sparse_attention_bf16_close_to_fp32_reference(path: str) -> None:
     case = make_case(7, STEPS[0], page_size=8, dtype="bfloat16")
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
     gen = torch.Generator().manual_seed(8)

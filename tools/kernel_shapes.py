@@ -11,6 +11,7 @@ import torch
 from dsv4serve import mhc
 from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.executor.triton_backend import triton_backend
+from dsv4serve.moe.experts_triton import grouped_mm_experts
 from dsv4serve.quant import quantize_int8
 from tests.kernel_cases import kernel_model, make_case
 
@@ -119,3 +120,5 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
     if dtype == "bfloat16":
         q1, q2, q3 = (quantize_int8(w.float()) for w in (w1, w2, w3))
         ops.routed_experts(x, weights, ids, q1, q2, q3, 10.0)
+        if hasattr(torch, "_grouped_mm"):  # the prefill path's kernels around torch's grouped GEMM
+            grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0)

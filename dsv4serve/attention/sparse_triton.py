@@ -7,8 +7,13 @@ softmax in fp32 that starts from the per-head sink (max = sink, sum = 1), as the
 Masked and padded keys are never loaded (masked loads give 0) and their logits are -inf: nothing they
 hold reaches the output. The epilogue rotates the output's rope slice back by -position.
 
+Small steps (decodes) split each token's keys over programs (flash-decoding): the window and the
+compressed entries are cut into fixed chunks of SPLIT keys, each chunk's program writes its partial
+softmax state (max, sum, unnormalised output), and a combine kernel folds the partials into the sink's
+state in chunk order. One program per (token, heads) would leave the GPU nearly idle at batch 1.
+
 Each token's keys are visited in one fixed order with fixed tiles, so its output does not depend on
-what else is in the batch.
+what else is in the batch (beyond whether the step is small enough to split).
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ class AttentionConfig:
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    split: int = 0  # keys per split program (a multiple of block_n); 0: one program walks all keys
 
 
+SPLIT_CONFIG = AttentionConfig(split=32)  # steps of at most SPLIT_TOKENS tokens: keys split over programs
+SPLIT_TOKENS = 16
 CONFIG = AttentionConfig()  # decode-sized steps: many programs per token (latency)
 PREFILL_CONFIG = AttentionConfig(block_h=64, block_n=32, num_warps=8)  # one key tile serves all heads
 PREFILL_TOKENS = 64  # steps with more tokens than this use PREFILL_CONFIG (the H200 sweep's best)
+NO_MAX = -1e30  # the running max of a split that saw no key (finite: exp(NO_MAX - m) is 0, not NaN)
 
 
 @triton.jit
@@ -59,6 +68,26 @@ def _attend(q, acc, m, s_sum, pool_ptr, slot, valid, d, dmask, D, scale, FP32: t
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
     return acc, m_new, s_sum
+
+
+@triton.jit
+def _store_rotated_back(
+    dst, out, hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF, BLOCK_HALF: tl.constexpr
+):
+    """Store a (heads, D) output tile, then rotate its rope slice back by -pos from the rounded
+    output, as the reference does."""
+    tl.store(dst + d[None, :], out.to(dst.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    tl.debug_barrier()
+    i = tl.arange(0, BLOCK_HALF)
+    imask = hmask[:, None] & (i < HALF)[None, :]
+    even = D - 2 * HALF + 2 * i[None, :]
+    xe = tl.load(dst + even, mask=imask, other=0.0).to(tl.float32)
+    xo = tl.load(dst + even + 1, mask=imask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
+    s = -tl.load(sin_ptr + t * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
+    tl.debug_barrier()
+    tl.store(dst + even, (xe * c - xo * s).to(dst.dtype.element_ty), mask=imask)
+    tl.store(dst + even + 1, (xo * c + xe * s).to(dst.dtype.element_ty), mask=imask)
 
 
 @triton.jit
@@ -132,21 +161,161 @@ def _sparse_attention_kernel(
                 valid = c < n_cmp
             slot = tl.load(cmp_table + row * cmp_tstride + entry, mask=valid, other=0)
             acc, m, s_sum = _attend(q, acc, m, s_sum, cmp_ptr, slot, valid, d, dmask, D, scale, FP32)
-    out = acc / s_sum[:, None]
     dst = out_ptr + t * stride_ot + h[:, None] * stride_oh
-    tl.store(dst + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qmask)
-    # rotate the rope slice back by -pos, from the rounded output, as the reference does
-    tl.debug_barrier()
-    i = tl.arange(0, BLOCK_HALF)
-    imask = hmask[:, None] & (i < HALF)[None, :]
-    even = D - 2 * HALF + 2 * i[None, :]
-    xe = tl.load(dst + even, mask=imask, other=0.0).to(tl.float32)
-    xo = tl.load(dst + even + 1, mask=imask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
-    s = -tl.load(sin_ptr + t * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
-    tl.debug_barrier()
-    tl.store(dst + even, (xe * c - xo * s).to(out_ptr.dtype.element_ty), mask=imask)
-    tl.store(dst + even + 1, (xo * c + xe * s).to(out_ptr.dtype.element_ty), mask=imask)
+    _store_rotated_back(dst, acc / s_sum[:, None], hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF,
+                        BLOCK_HALF)  # fmt: skip
+
+
+@triton.jit
+def _split_partials_kernel(
+    q_ptr,
+    swa_ptr,
+    cmp_ptr,
+    idx_ptr,
+    acc_ptr,
+    ml_ptr,
+    row_ptr,
+    pos_ptr,
+    swa_table,
+    cmp_table,
+    H,
+    D,
+    W,
+    RATIO,
+    NUM_IDX,
+    WIN_SPLITS,
+    swa_tstride,
+    cmp_tstride,
+    stride_qt,
+    stride_qh,
+    stride_idx,
+    scale,
+    HAS_CMP: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    FP32: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One chunk of SPLIT keys of one token (window chunks first, then compressed ones): its partial
+    softmax state (max, sum, unnormalised output) for a block of heads, without the sink."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    sp = tl.program_id(2)
+    T = tl.num_programs(0)
+    hmask = h < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    row = tl.load(row_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    n_win = tl.minimum(W, pos + 1)  # window: raw positions pos - n_win + 1 .. pos
+    start = pos + 1 - n_win
+    if HAS_CMP:
+        if HAS_IDX:
+            n_cmp = NUM_IDX
+        else:
+            n_cmp = (pos + 1) // RATIO  # every visible compressed entry
+    else:
+        n_cmp = 0
+    is_win = sp < WIN_SPLITS
+    lo = tl.where(is_win, sp, sp - WIN_SPLITS) * SPLIT
+    n = tl.where(is_win, n_win, n_cmp)
+    if lo < n:
+        qmask = hmask[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+        m = tl.full((BLOCK_H,), -1e30, tl.float32)  # NO_MAX: finite, so exp(m - m_new) is never NaN
+        s_sum = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+        if is_win:
+            for j0 in range(lo, tl.minimum(lo + SPLIT, n), BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                valid = j < n
+                slot = tl.load(swa_table + row * swa_tstride + start + j, mask=valid, other=0)
+                acc, m, s_sum = _attend(q, acc, m, s_sum, swa_ptr, slot, valid, d, dmask, D, scale, FP32)
+        else:
+            for c0 in range(lo, tl.minimum(lo + SPLIT, n), BLOCK_N):
+                c = c0 + tl.arange(0, BLOCK_N)
+                if HAS_IDX:
+                    entry = tl.load(idx_ptr + t * stride_idx + c, mask=c < n, other=-1)
+                    valid = entry >= 0
+                else:
+                    entry = c
+                    valid = c < n
+                slot = tl.load(cmp_table + row * cmp_tstride + entry, mask=valid, other=0)
+                acc, m, s_sum = _attend(q, acc, m, s_sum, cmp_ptr, slot, valid, d, dmask, D, scale, FP32)
+        r = ((sp * T + t) * H + h).to(tl.int64)
+        tl.store(acc_ptr + r[:, None] * D + d[None, :], acc, mask=qmask)
+        tl.store(ml_ptr + r * 2, m, mask=hmask)
+        tl.store(ml_ptr + r * 2 + 1, s_sum, mask=hmask)
+
+
+@triton.jit
+def _fold_split(acc, m, s_sum, acc_ptr, ml_ptr, sp, T, t, H, h, hmask, d, dmask, D):
+    """Fold one split's partial state into the running (acc, max, sum)."""
+    r = ((sp * T + t) * H + h).to(tl.int64)
+    m_s = tl.load(ml_ptr + r * 2, mask=hmask, other=-1e30)
+    s_s = tl.load(ml_ptr + r * 2 + 1, mask=hmask, other=0.0)
+    a_s = tl.load(acc_ptr + r[:, None] * D + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_new = tl.maximum(m, m_s)
+    alpha = tl.exp(m - m_new)
+    beta = tl.exp(m_s - m_new)
+    return acc * alpha[:, None] + a_s * beta[:, None], m_new, s_sum * alpha + s_s * beta
+
+
+@triton.jit
+def _combine_splits_kernel(
+    acc_ptr,
+    ml_ptr,
+    sinks_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    H,
+    D,
+    HALF,
+    W,
+    RATIO,
+    NUM_IDX,
+    WIN_SPLITS,
+    stride_ot,
+    stride_oh,
+    stride_cos,
+    HAS_CMP: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Each token's splits folded in order into the sink's state (max = sink, sum = 1), normalised,
+    stored, and the rope slice rotated back."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    T = tl.num_programs(0)
+    hmask = h < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    pos = tl.load(pos_ptr + t)
+    m = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32)
+    s_sum = tl.full((BLOCK_H,), 1.0, tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    n_win = tl.minimum(W, pos + 1)
+    for sp in range(0, tl.cdiv(n_win, SPLIT)):
+        acc, m, s_sum = _fold_split(acc, m, s_sum, acc_ptr, ml_ptr, sp, T, t, H, h, hmask, d, dmask, D)
+    if HAS_CMP:
+        if HAS_IDX:
+            n_cmp = NUM_IDX
+        else:
+            n_cmp = (pos + 1) // RATIO
+        for c in range(0, tl.cdiv(n_cmp, SPLIT)):
+            acc, m, s_sum = _fold_split(
+                acc, m, s_sum, acc_ptr, ml_ptr, WIN_SPLITS + c, T, t, H, h, hmask, d, dmask, D
+            )
+    dst = out_ptr + t * stride_ot + h[:, None] * stride_oh
+    _store_rotated_back(dst, acc / s_sum[:, None], hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF,
+                        BLOCK_HALF)  # fmt: skip
 
 
 def sparse_attention(
@@ -178,7 +347,15 @@ def sparse_attention(
         idx, num_idx, stride_idx = indices, indices.shape[1], indices.stride(0)
     else:
         idx, num_idx, stride_idx = meta.positions, 0, 0
-    cfg = PREFILL_CONFIG if T > PREFILL_TOKENS and q.dtype != torch.float32 else CONFIG
+    if T <= SPLIT_TOKENS:
+        cfg = SPLIT_CONFIG
+    else:
+        cfg = PREFILL_CONFIG if T > PREFILL_TOKENS and q.dtype != torch.float32 else CONFIG
+    if cfg.split:
+        max_cmp = (num_idx if indices is not None else meta.num_entries[ratio]) if has_cmp else 0
+        _split_attention(q, out, swa, compressed, cmp_table, idx, num_idx, stride_idx, meta, sinks, scale,
+                         ratio, indices is not None, max_cmp, cfg)  # fmt: skip
+        return out
     _sparse_attention_kernel[(T, triton.cdiv(H, cfg.block_h))](
         q,
         swa,
@@ -218,3 +395,47 @@ def sparse_attention(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def _split_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    swa: torch.Tensor,
+    compressed: torch.Tensor,
+    cmp_table: torch.Tensor,
+    idx: torch.Tensor,
+    num_idx: int,
+    stride_idx: int,
+    meta: StepMeta,
+    sinks: torch.Tensor,
+    scale: float,
+    ratio: int,
+    has_idx: bool,
+    max_cmp: int,
+    cfg: AttentionConfig,
+) -> None:
+    """The split-keys path: a fixed grid (host-known bounds on the window and the compressed entries),
+    so a captured decode step replays it whatever its positions."""
+    T, H, D = q.shape
+    assert cfg.split % cfg.block_n == 0
+    cos, sin = meta.rope[ratio > 0]
+    tables = meta.tables
+    win_splits = triton.cdiv(meta.sliding_window, cfg.split)
+    splits = win_splits + triton.cdiv(max_cmp, cfg.split)
+    acc = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
+    ml = torch.empty(splits, T, H, 2, dtype=torch.float32, device=q.device)
+    fp32 = q.dtype == torch.float32
+    common = dict(HAS_CMP=ratio > 0, HAS_IDX=has_idx, SPLIT=cfg.split, BLOCK_H=cfg.block_h,
+                  BLOCK_D=pow2(D, 16))  # fmt: skip
+    _split_partials_kernel[(T, triton.cdiv(H, cfg.block_h), splits)](
+        q, swa, compressed, idx, acc, ml, meta.token_row, meta.positions, tables.swa, cmp_table,
+        H, D, meta.sliding_window, max(ratio, 1), num_idx, win_splits, tables.swa.stride(0),
+        cmp_table.stride(0), q.stride(0), q.stride(1), stride_idx, scale,
+        FP32=fp32, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps * (2 if fp32 and D >= 256 else 1),
+        num_stages=cfg.num_stages, **common,
+    )  # fmt: skip
+    _combine_splits_kernel[(T, triton.cdiv(H, cfg.block_h))](
+        acc, ml, sinks, out, cos, sin, meta.positions, H, D, cos.shape[-1], meta.sliding_window,
+        max(ratio, 1), num_idx, win_splits, out.stride(0), out.stride(1), cos.stride(0),
+        BLOCK_HALF=pow2(cos.shape[-1]), num_warps=8, **common,
+    )  # fmt: skip

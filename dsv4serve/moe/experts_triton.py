@@ -13,7 +13,6 @@ token and the SwiGLU output per pair (the reference's per-row activation quantiz
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -288,8 +287,9 @@ def grouped_mm_experts(
     limit: float,
 ) -> torch.Tensor:
     """The routed experts through torch's grouped GEMM (bf16, CUDA sm90): the pairs sorted by expert
-    (stable), three grouped GEMMs over the chosen experts only, the clamped SwiGLU between them with
-    the reference's rounding, then each token's k rows summed in slot order. No host sync."""
+    (stable), three grouped GEMMs over the chosen experts only, the clamped SwiGLU between them (one
+    kernel, the reference's rounding), then each token's k rows weighted and summed in slot order,
+    read back through the inverse permutation (no scatter). No host sync."""
     T, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices  # (P,) pairs by expert, token order within one
@@ -297,19 +297,55 @@ def grouped_mm_experts(
         0, flat, torch.ones_like(flat)
     )
     offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) each expert's last row + 1
-    rows = x[order // k]  # (P, hidden)
-    gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs).clamp(max=limit)  # (P, I)
-    up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offs).clamp(min=-limit, max=limit)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # (P, hidden)
-    y = y * weights.reshape(-1)[order, None].to(y.dtype)
-    by_pair = torch.empty_like(y)
-    by_pair[order] = y
+    rows = x.index_select(0, order // k)  # (P, hidden)
+    gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs)  # (P, I)
+    up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offs)
+    h = torch.empty_like(gate)
+    inter = gate.shape[1]
+    block = min(pow2(inter), 1024)
+    _swiglu_kernel[(gate.shape[0], triton.cdiv(inter, block))](
+        gate, up, h, inter, limit, BLOCK=block, num_warps=4
+    )
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # (P, hidden), rows in expert order
+    where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
     out = torch.empty_like(x)
     block = min(pow2(x.shape[1]), 1024)
-    _sum_slots_kernel[(T, triton.cdiv(x.shape[1], block))](
-        by_pair, out, x.shape[1], TOPK=k, BLOCK=block, num_warps=4
+    _sum_pairs_kernel[(T, triton.cdiv(x.shape[1], block))](
+        y, where, weights.contiguous(), out, x.shape[1], TOPK=k, BLOCK=block, num_warps=4
     )
     return out
+
+
+@triton.jit
+def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, INTER, limit, BLOCK: tl.constexpr):
+    """h = silu(min(gate, limit)) * clamp(up, -limit, limit), each step rounded to the dtype as torch
+    rounds the separate ops."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < INTER
+    g = tl.load(gate_ptr + r * INTER + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r * INTER + c, mask=mask, other=0.0).to(tl.float32)
+    dtype = h_ptr.dtype.element_ty
+    g = tl.minimum(g, limit).to(dtype).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit).to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(h_ptr + r * INTER + c, (silu * u).to(dtype), mask=mask)
+
+
+@triton.jit
+def _sum_pairs_kernel(y_ptr, where_ptr, w_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum over slots j, in order, of y[where[t, j]] * w[t, j] (each product rounded)."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < HIDDEN
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOPK):
+        row = tl.load(where_ptr + t * TOPK + j)
+        w = tl.load(w_ptr + t * TOPK + j).to(dtype).to(tl.float32)
+        y = tl.load(y_ptr + row * HIDDEN + c, mask=mask, other=0.0).to(tl.float32)
+        acc += (y * w).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * HIDDEN + c, acc.to(dtype), mask=mask)
 
 
 def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
