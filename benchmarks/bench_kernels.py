@@ -35,6 +35,18 @@ def timed(fn: Any, reps: int = 10) -> float:
     return round(statistics.median(times[1:]), 3)
 
 
+def timed_graph(fn: Any, calls: int = 20) -> float:
+    """Median ms of one call, replayed from a CUDA graph of `calls` calls: what a captured decode
+    step pays (no launch overhead), for kernels shorter than their Python launch."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return round(timed(graph.replay) / calls, 4)
+
+
 def moe_sweep() -> dict[str, float]:
     tokens, experts, hidden, inter, k = 8192, 256, 4096, 2048, 6
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -89,6 +101,7 @@ def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> 
             .int()
         )
     current = getattr(sparse_triton, which)
+    clock = timed if T > sparse_triton.PREFILL_TOKENS else timed_graph  # decode steps are captured
     if which == "SPLIT_CONFIG":
         configs = [(16, 32, 8, 2, 32), (16, 32, 4, 2, 64), (32, 32, 8, 2, 32), (64, 32, 8, 2, 32)]
         configs += [(16, 64, 8, 2, 64), (16, 32, 4, 3, 32)]
@@ -99,7 +112,7 @@ def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> 
         setattr(sparse_triton, which, current if c is None else sparse_triton.AttentionConfig(*c))
         name = "current" if c is None else "x".join(map(str, c))
         try:
-            out[name] = timed(
+            out[name] = clock(
                 lambda: sparse_triton.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
             )
         except Exception as exc:  # a tile that does not fit (shared memory) is reported, not fatal
@@ -108,7 +121,7 @@ def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> 
     setattr(sparse_triton, which, current)
     if which == "SPLIT_CONFIG":  # the same step without splitting
         tokens, sparse_triton.SPLIT_TOKENS = sparse_triton.SPLIT_TOKENS, 0
-        out["no_split"] = timed(
+        out["no_split"] = clock(
             lambda: sparse_triton.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
         )
         sparse_triton.SPLIT_TOKENS = tokens

@@ -37,7 +37,10 @@ FLASH = {
 
 def exercise_backend(tiny: bool) -> list[str]:
     failures: list[str] = []
-    shapes: list[tuple[dict[str, Any], list[tuple[int, int]]]] = [({}, [(0, 9), (20, 1), (47, 1)])]
+    shapes: list[tuple[dict[str, Any], list[tuple[int, int]]]] = [
+        ({}, [(0, 9), (20, 1), (47, 1)]),  # a small step: attention splits the keys
+        ({}, [(0, 30), (5, 1)]),  # a larger one: one program per token
+    ]
     if not tiny:
         shapes += [(FLASH, [(1000, 1)]), (FLASH, [(1000, 1)] * 8), (FLASH, [(0, 300), (500, 1)])]
     for dtype in ("bfloat16", "float32"):
