@@ -37,7 +37,7 @@ class AttentionConfig:
     split: int = 0  # keys per split program (a multiple of block_n); 0: one program walks all keys
 
 
-SPLIT_CONFIG = AttentionConfig(split=32)  # steps of at most SPLIT_TOKENS tokens: keys split over programs
+SPLIT_CONFIG = AttentionConfig(split=64)  # steps of at most SPLIT_TOKENS tokens (the H200 sweep, run 9)
 SPLIT_TOKENS = 16
 CONFIG = AttentionConfig()  # decode-sized steps: many programs per token (latency)
 PREFILL_CONFIG = AttentionConfig(block_h=64, block_n=32, num_warps=8)  # one key tile serves all heads
