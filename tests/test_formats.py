@@ -117,9 +117,8 @@ def test_dequantize_mxfp4_follows_the_bit_layout() -> None:
         dequantize_mxfp4(packed, scale[:, :2], torch.float32)
 
 
-@pytest.fixture(scope="module")
-def official(
-    small: Path, tensors: dict, config: dict, tmp_path_factory: pytest.TempPathFactory
+def official_pair(
+    small: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], root: Path
 ) -> tuple[Path, Path]:
     """An official-layout twin pair: MXFP4 routed experts plus FP8 (e4m3, 128x128 ue8m0) shared
     experts and attention, and a float checkpoint holding exactly the values they encode."""
@@ -136,11 +135,17 @@ def official(
             packed[name], packed[base + ".scale"] = quantize_fp8(t)
             floats[name] = packed[name].float() * packed[base + ".scale"].float()
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
-    root = tmp_path_factory.mktemp("official")
-    mx = write_dir(
-        small, root / "mxfp4", packed, config | {"expert_dtype": "fp4", "quantization_config": fp8}
+    official = config | {"expert_dtype": "fp4", "quantization_config": fp8}
+    return write_dir(small, root / "mxfp4", packed, official), write_dir(
+        small, root / "float", floats, config
     )
-    return mx, write_dir(small, root / "float", floats, config)
+
+
+@pytest.fixture(scope="module")
+def official(
+    small: Path, tensors: dict, config: dict, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    return official_pair(small, tensors, config, tmp_path_factory.mktemp("official"))
 
 
 def test_mxfp4_experts_load_exactly_as_their_float_twin(
