@@ -18,7 +18,8 @@ import torch
 from golden_harness import engine_traces
 from safetensors.torch import load_file, save_file
 
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve import Engine, SamplingParams, cli
+from dsv4serve.config import ConfigError, EngineConfig, ModelConfig
 from dsv4serve.models.formats import dequantize_mxfp4
 from dsv4serve.models.loader import CheckpointError, load_checkpoint
 from dsv4serve.models.tiny import make_tiny
@@ -420,3 +421,26 @@ def test_int8_on_a_float_only_projection_is_named(
         file["model." + name], file["model." + name[:-7] + ".weight_scale"] = q, s.float()
     with pytest.raises(CheckpointError, match=r"only in floating point: layers\.0\.attn\.wo_a\.weight"):
         _ct_variant(small, tmp_path, tensors, config, quant, file)
+
+
+# ------------------------------------------------------------------------------ the engine knob
+
+
+def test_fp4_experts_is_an_engine_and_cli_knob(
+    official: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ConfigError, match="fp4_experts: 'fp8' is not one of"):
+        EngineConfig(fp4_experts="fp8")
+    args = cli.build_parser().parse_args(
+        ["generate", "--model", "m", "--prompt", "p", "--fp4-experts", "int8"]
+    )
+    assert cli._engine_knobs(args)["fp4_experts"] == "int8"
+    assert cli.main(["generate", "--model", "m", "--prompt", "p", "--fp4-experts", "bf16"]) == 2
+    assert "--fp4-experts" in capsys.readouterr().err
+    mx, _ = official
+    prompts = _prompts()
+    want = engine_traces(mx, prompts, 5, ENGINE.with_(fp4_experts="int8"))
+    with Engine(mx, dtype="float32", page_size=8, max_total_tokens=1024, fp4_experts="int8") as engine:
+        got = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
+    for c, w in zip(got, want, strict=True):  # EOS (id 1) may end one early
+        assert list(c.token_ids) == w.tokens[: len(c.token_ids)] and len(c.token_ids) > 0
