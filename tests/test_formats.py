@@ -444,3 +444,23 @@ def test_fp4_experts_is_an_engine_and_cli_knob(
         got = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
     for c, w in zip(got, want, strict=True):  # EOS (id 1) may end one early
         assert list(c.token_ids) == w.tokens[: len(c.token_ids)] and len(c.token_ids) > 0
+
+
+def test_experts_mixing_formats_are_refused(
+    official: tuple[Path, Path], small: Path, tensors: dict, config: dict, model: ModelConfig, tmp_path: Path
+) -> None:
+    mixed = load_file(str(official[0] / "model.safetensors"))
+    name = "layers.3.ffn.experts.6.w2.weight"
+    mixed[name] = tensors[name]
+    del mixed[name[:-7] + ".scale"]
+    src = write_dir(small, tmp_path / "mx", mixed, config)
+    load_checkpoint(src, model, dtype=torch.float32)  # dequantized: all float, fine
+    with pytest.raises(CheckpointError, match=rf"{name}: experts of layers\.3\.ffn\.experts\.w2 mix int8"):
+        load_checkpoint(src, model, dtype=torch.float32, fp4_experts="int8")
+    quant = ct_config()
+    quant["ignore"].append("re:.*layers\\.3\\.ffn\\.experts\\.6\\.w2$")
+    file, _ = ct_tensors(tensors)
+    file["model." + name] = tensors[name]
+    del file["model." + name[:-7] + ".weight_scale"]
+    with pytest.raises(CheckpointError, match=r"experts mix .*layers\.3\.ffn\.experts\.w2"):
+        _ct_variant(small, tmp_path / "ct", tensors, config, quant, file)

@@ -27,6 +27,7 @@ from dsv4serve.models.weights import (
     WEIGHT_SCALE,
     CheckpointError,
     Shape,
+    check_uniform_experts,
     decode_e8m0,
     expert_slot,
     listed,
@@ -53,9 +54,9 @@ CT_REQUIRED: dict[str, Any] = {"num_bits": 8, "type": "int", "symmetric": True}
 # -------------------------------------------------------------------------------------- MXFP4
 
 
-def is_mxfp4(name: str, weight_dtype: str, has_scale: bool) -> bool:
-    """Whether a header entry is a packed MXFP4 weight: int8/uint8 with a `.scale` companion."""
-    return has_scale and weight_dtype in ("I8", "U8") and name.endswith(".weight")
+def is_mxfp4(name: str, weight_dtype: str) -> bool:
+    """Whether a weight that has a `.scale` companion is packed MXFP4 (int8/uint8 on disk)."""
+    return weight_dtype in ("I8", "U8") and name.endswith(".weight")
 
 
 def mxfp4_shape_errors(
@@ -230,4 +231,5 @@ def ct_int8_weights(
     refused = sorted(n for n in out if not takes_int8(n))
     if refused:
         raise CheckpointError(f"quantized tensors the model takes only in floating point: {listed(refused)}")
+    check_uniform_experts(out, expected)
     return out

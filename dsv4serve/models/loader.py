@@ -142,7 +142,7 @@ def _value(
     if item.int8:
         assert scale is not None
         return int8_weight(name, raw, scale, offset)
-    if scale is not None and is_mxfp4(name, item.weight.dtype, True):
+    if scale is not None and is_mxfp4(name, item.weight.dtype):
         if fp4_experts == "int8":
             return quantize_int8(dequantize_mxfp4(raw, scale, torch.float32))
         return dequantize_mxfp4(raw, scale, dtype)
@@ -287,7 +287,7 @@ def _check_shapes(plan: dict[str, PlannedTensor], expected: dict[str, tuple[int,
         if item.int8:
             bad += _int8_shape_errors(name, item, expected[name])
             continue
-        if item.scale is not None and is_mxfp4(name, item.weight.dtype, True):
+        if item.scale is not None and is_mxfp4(name, item.weight.dtype):
             scale = item.scale
             bad += mxfp4_shape_errors(name, item.weight.shape, scale.shape, scale.dtype, expected[name])
             continue
@@ -336,13 +336,13 @@ def _place(out: dict[str, Weight], name: str, value: Weight, model: ModelConfig,
     if stacked not in out:
         out[stacked] = _empty_stack(value, model.n_routed_experts, device)
     target = out[stacked]
-    if isinstance(value, Int8Weight):
-        assert isinstance(target, Int8Weight)  # experts are uniform (_check_uniform_experts)
+    if isinstance(value, Int8Weight) and isinstance(target, Int8Weight):
         target.qweight[expert].copy_(value.qweight)
         target.scale[expert].copy_(value.scale)
-    else:
-        assert isinstance(target, torch.Tensor)
+    elif isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor):
         target[expert].copy_(value)
+    else:  # int8 checkpoints are checked before (check_uniform_experts); MXFP4 with int8 is not
+        raise CheckpointError(f"{name}: experts of {stacked} mix int8 and float (e.g. MXFP4 and bf16)")
 
 
 def _int8_to(w: Int8Weight, device: str) -> Int8Weight:

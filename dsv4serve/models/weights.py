@@ -239,11 +239,11 @@ def int8_companions(
         if absent:
             raise CheckpointError(f"{name}: {QUANT_W8A8_DYNAMIC} weight without {' and '.join(absent)}")
         out[name] = pair
-    _check_uniform_experts(out, expected)
+    check_uniform_experts(out, expected)
     return out
 
 
-def _check_uniform_experts(int8: Mapping[str, object], expected: Mapping[str, Shape]) -> None:
+def check_uniform_experts(int8: Mapping[str, object], expected: Mapping[str, Shape]) -> None:
     kinds: dict[str, set[bool]] = {}
     for name in expected:
         slot = expert_slot(name)
