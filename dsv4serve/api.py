@@ -81,12 +81,13 @@ class _Configured:
         state_mode: str = "paged",
         seed: int | None = None,
         weight_quant: str | None = None,
+        fp4_experts: str = "float",
         graphs: bool = True,
     ) -> None:
         knobs: dict[str, Any] = {"device": device, "dtype": dtype, "max_num_seqs": max_num_seqs}
         knobs |= {"max_num_batched_tokens": max_num_batched_tokens, "max_total_tokens": max_total_tokens}
         knobs |= {"page_size": page_size, "state_mode": state_mode, "weight_quant": weight_quant}
-        knobs |= {"graphs": graphs}
+        knobs |= {"graphs": graphs, "fp4_experts": fp4_experts}
         knobs |= {} if seed is None else {"seed": seed}  # None: EngineConfig's default seed
         self.options = system_options(model, EngineConfig(**knobs))
         logs.configure_default()

@@ -16,7 +16,15 @@ from typing import Any
 
 # demo loads trio and the engine (torch) only in the commands that run one
 from dsv4serve import demo
-from dsv4serve.config import DTYPES, STATE_MODES, ConfigError, EngineConfig, ModelConfig
+from dsv4serve.config import (
+    DTYPES,
+    FP4_EXPERTS,
+    QUANTIZE_FORMATS,
+    STATE_MODES,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+)
 from dsv4serve.demo import tiny_checkpoint as tiny_checkpoint  # re-exported: `cli.tiny_checkpoint`
 from dsv4serve.logs import LEVELS
 from dsv4serve.logs import configure as configure_logs
@@ -156,6 +164,26 @@ def _run_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------- quantize
+
+
+def _quantize_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", type=Path, metavar="IN", help="a float, official (FP8/MXFP4) or int8 checkpoint")
+    p.add_argument("out", type=Path, metavar="OUT", help="new directory for the int8 checkpoint")
+    p.add_argument("--format", required=True, choices=QUANTIZE_FORMATS, help="the int8 checkpoint layout")
+    p.add_argument("--max-shard-mib", type=_positive_float, default=4096.0, help="largest shard (MiB)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="float tensors (default: torch_dtype)")
+
+
+def _run_quantize(args: argparse.Namespace) -> int:
+    from dsv4serve.models.quantize import quantize_checkpoint  # torch is heavy: import only when asked
+
+    _load_model_config(args.src)
+    shard = max(1, int(args.max_shard_mib * 2**20))
+    print(quantize_checkpoint(args.src, args.out, args.format, max_shard_bytes=shard, dtype=args.dtype))
+    return 0
+
+
 # ------------------------------------------------------------------------------ engine flags
 
 
@@ -174,6 +202,9 @@ def _engine_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="engine sampling seed")
     p.add_argument("--weight-quant", choices=("int8",), default=None, help="W8A8 projections at load")
     p.add_argument(
+        "--fp4-experts", choices=FP4_EXPERTS, default=d.fp4_experts, help="MXFP4 experts: dequantize or int8"
+    )
+    p.add_argument(
         "--no-graphs", dest="graphs", action="store_false", help="run decode steps eagerly (no CUDA graphs)"
     )
     p.add_argument("--log-level", choices=LEVELS, default="warning", help="stderr log level")
@@ -189,6 +220,7 @@ ENGINE_FLAGS = (
     "state_mode",
     "seed",
     "weight_quant",
+    "fp4_experts",
     "graphs",
 )
 
@@ -306,6 +338,9 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
         "plan": Command("print the memory plan of a DeepSeek-V4 model", _plan_arguments, _run_plan),
         "make-tiny": Command(
             "write a tiny random DeepSeek-V4 checkpoint", _make_tiny_arguments, _run_make_tiny
+        ),
+        "quantize": Command(
+            "write a W8A8 int8 checkpoint of a float or official one", _quantize_arguments, _run_quantize
         ),
         "serve": Command("serve JSON-lines requests on stdin (--stdio)", _serve_arguments, _run_serve),
         "generate": Command("print the completion of one prompt", _generate_arguments, _run_generate),

@@ -22,6 +22,8 @@ LAYER_TYPE_TO_RATIO = {
 STATE_MODES = ("paged", "ring")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "npu")
+FP4_EXPERTS = ("float", "int8")  # EngineConfig.fp4_experts
+QUANTIZE_FORMATS = ("w8a8-msmodelslim", "w8a8-compressed-tensors")  # `quantize --format`
 
 
 class ConfigError(ValueError):
@@ -332,6 +334,8 @@ class EngineConfig:
     graphs: capture decode steps as device graphs (CUDA), by batch-size and context buckets.
     weight_quant: None, or "int8" to quantize the attention and expert projections to W8A8 (dynamic
         per-token activations, per-channel weights) at load.
+    fp4_experts: what official MXFP4 routed experts become at load: "float" (dequantized to `dtype`,
+        exact) or "int8" (dequantized, then W8A8 per-channel int8).
     """
 
     device: str = "cpu"
@@ -344,6 +348,7 @@ class EngineConfig:
     state_mode: str = "paged"
     seed: int = 0
     weight_quant: str | None = None
+    fp4_experts: str = "float"
     graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -369,6 +374,8 @@ class EngineConfig:
             raise ConfigError(f"graphs: expected a bool, got {self.graphs!r}")
         if self.weight_quant not in (None, "int8"):
             raise ConfigError(f"weight_quant: {self.weight_quant!r} is not None or 'int8'")
+        if self.fp4_experts not in FP4_EXPERTS:
+            raise ConfigError(f"fp4_experts: {self.fp4_experts!r} is not one of {FP4_EXPERTS}")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -248,25 +248,26 @@ def test_fp8_without_scale_is_refused(tiny: Path, model: ModelConfig, tensors: d
         load_checkpoint(variant(tiny, tmp_path, bad), model, dtype=torch.float32)
 
 
-def test_mxfp4_experts_raise_not_implemented(
+def test_mxfp4_experts_with_fp32_scales_are_refused(
     tiny: Path, model: ModelConfig, tensors: dict, tmp_path: Path
 ) -> None:
+    """MXFP4 experts load (tests/test_formats.py); their scales must be ue8m0."""
     name = "layers.2.ffn.experts.4.w1.weight"
     packed = {
         name: torch.zeros(32, 32, dtype=torch.int8),
         "layers.2.ffn.experts.4.w1.scale": torch.ones(32, 2),
     }
-    with pytest.raises(NotImplementedError, match=rf"{name}: MXFP4"):
+    with pytest.raises(CheckpointError, match=rf"{name}: MXFP4 scale of dtype F32"):
         load_checkpoint(variant(tiny, tmp_path, tensors | packed), model, dtype=torch.float32)
 
 
-def test_int8_w8a8_outside_msmodelslim_raises_not_implemented(
+def test_int8_companions_without_a_quant_format_are_refused(
     tiny: Path, model: ModelConfig, tensors: dict, tmp_path: Path
 ) -> None:
-    """int8 companions without quant_model_description.json (e.g. compressed-tensors); msModelSlim
-    directories load (tests/test_loader_int8.py)."""
+    """int8 companions without quant_model_description.json or a compressed-tensors config;
+    those directories load (tests/test_loader_int8.py, tests/test_formats.py)."""
     extra = {"layers.0.attn.wq_a.weight_scale": torch.ones(32, 1)}
-    with pytest.raises(NotImplementedError, match=r"W8A8 .*msModelSlim.*layers\.0\.attn\.wq_a\.weight_scale"):
+    with pytest.raises(CheckpointError, match=r"W8A8 .*msModelSlim.*layers\.0\.attn\.wq_a\.weight_scale"):
         load_checkpoint(variant(tiny, tmp_path / "a", tensors | extra), model, dtype=torch.float32)
 
 

@@ -84,7 +84,9 @@ class ModelRunner:
         """Load a checkpoint; `ops` overrides the device's backend (tests run Triton's on CPU tensors)."""
         cfg = ModelConfig.from_dir(model_dir)
         dtype = getattr(torch, engine.torch_dtype_name)
-        weights = load_checkpoint(Path(model_dir), cfg, dtype=dtype, device=engine.device)
+        weights = load_checkpoint(
+            Path(model_dir), cfg, dtype=dtype, device=engine.device, fp4_experts=engine.fp4_experts
+        )
         self._build(cfg, weights, engine, sizes, ops)
 
     @classmethod

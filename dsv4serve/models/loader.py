@@ -14,11 +14,19 @@ names each tensor's quant type. `FLOAT` tensors load as above; `W8A8_DYNAMIC` pr
 `Int8Weight` (`int8_weight`, consuming `.weight_scale` / `.weight_offset`; experts stacked to qweight
 [E, out, in] and scale [E, out]); any other type, or int8 on a tensor the model math only takes in
 floating point, is a `CheckpointError`.
+
+A compressed-tensors checkpoint (`quantization_config.quant_method: compressed-tensors`, see
+`formats.py`) loads its int8 projections (`X.weight` + `X.weight_scale`) as `Int8Weight` the same way;
+its targets and ignore list must agree with what the file stores. Official MXFP4 routed experts
+(int8-packed e2m1 + ue8m0 1x32 `.scale`) are dequantized (`fp4_experts="float"`, exact) or dequantized
+and re-quantized to per-channel int8 (`fp4_experts="int8"`). `iter_checkpoint` yields the same values
+one tensor at a time, experts unstacked (what `quantize` streams through).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +35,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dsv4serve.config import ModelConfig
+from dsv4serve.config import FP4_EXPERTS, ModelConfig
+from dsv4serve.models.formats import (
+    compressed_tensors_config,
+    ct_int8_weights,
+    dequantize_mxfp4,
+    is_mxfp4,
+    mxfp4_shape_errors,
+)
 from dsv4serve.models.weights import (
     DEFAULT_BLOCK,
     INT8_SUFFIXES,
@@ -46,16 +61,16 @@ from dsv4serve.models.weights import (
     loaded_tensors,
     storage_dtype,
 )
-from dsv4serve.quant import Int8Weight, Weight
+from dsv4serve.quant import Int8Weight, Weight, quantize_int8
 
-__all__ = ["CheckpointError", "expected_tensors", "load_checkpoint", "loaded_tensors"]
+__all__ = ["CheckpointError", "expected_tensors", "iter_checkpoint", "load_checkpoint", "loaded_tensors"]
+
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DESCRIPTION_FILE = "quant_model_description.json"  # msModelSlim: tensor name -> quant type
 MODELSLIM_INDEX_FILE = "quant_model_weights.safetensors.index.json"
 PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
-PACKED_FP4_HEADER_DTYPES = ("I8", "U8")
 INT_HEADER_DTYPES = ("I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL")
 FLOAT_HEADER_DTYPES = ("F32", "BF16", "F16")
 
@@ -73,32 +88,65 @@ class HeaderEntry:
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
     weight: HeaderEntry
-    scale: HeaderEntry | None  # `.scale` (FP8 blocks), or `.weight_scale` (W8A8_DYNAMIC)
-    offset: HeaderEntry | None = None  # `.weight_offset`: set exactly for W8A8_DYNAMIC int8 weights
+    scale: HeaderEntry | None  # `.scale` (FP8 blocks, MXFP4), or `.weight_scale` (W8A8 int8)
+    offset: HeaderEntry | None = None  # `.weight_offset` of msModelSlim W8A8_DYNAMIC weights
+    int8: bool = False  # a W8A8 int8 weight (msModelSlim or compressed-tensors)
 
 
 def load_checkpoint(
-    model_dir: Path | str, model: ModelConfig, *, dtype: torch.dtype, device: str = "cpu"
+    model_dir: Path | str,
+    model: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    fp4_experts: str = "float",
 ) -> dict[str, torch.Tensor | Int8Weight]:
     """Every weight of `model` by official name (experts stacked), cast by `storage_dtype`, on `device`;
-    W8A8_DYNAMIC projections of an msModelSlim checkpoint as `Int8Weight` (int8 + fp32 scale)."""
+    int8 projections of a W8A8 checkpoint as `Int8Weight` (int8 + fp32 scale)."""
+    out: dict[str, Weight] = {}
+    for name, value in iter_checkpoint(model_dir, model, dtype=dtype, fp4_experts=fp4_experts):
+        _place(out, name, value, model, device)
+    _check_tid2eid(out, model)
+    return out
+
+
+def iter_checkpoint(
+    model_dir: Path | str, model: ModelConfig, *, dtype: torch.dtype, fp4_experts: str = "float"
+) -> Iterator[tuple[str, Weight]]:
+    """Each expected tensor by official name (experts one by one, on the CPU), as `load_checkpoint`
+    reads it; the headers are checked before the first tensor is read."""
+    if fp4_experts not in FP4_EXPERTS:
+        raise ValueError(f"fp4_experts: {fp4_experts!r} is not one of {FP4_EXPERTS}")
     files = checkpoint_files(Path(model_dir))
     plan = plan_tensors(read_headers(files), model, read_quant_types(Path(model_dir)))
     block = _block_size(model)
-    out: dict[str, Weight] = {}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in files}
         for name, item in plan.items():
             raw = _read(handles, item.weight)
             scale = _read(handles, item.scale) if item.scale else None
-            value: Weight
-            if item.offset is not None and scale is not None:
-                value = int8_weight(name, raw, scale, _read(handles, item.offset))
-            else:
-                value = dequantize_or_keep(name, raw, scale, storage_dtype(name, dtype), block)
-            _place(out, name, value, model, device)
-    _check_tid2eid(out, model)
-    return out
+            offset = _read(handles, item.offset) if item.offset else None
+            yield name, _value(name, item, raw, scale, offset, storage_dtype(name, dtype), block, fp4_experts)
+
+
+def _value(
+    name: str,
+    item: PlannedTensor,
+    raw: torch.Tensor,
+    scale: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    dtype: torch.dtype,
+    block: tuple[int, int],
+    fp4_experts: str,
+) -> Weight:
+    if item.int8:
+        assert scale is not None
+        return int8_weight(name, raw, scale, offset)
+    if scale is not None and is_mxfp4(name, item.weight.dtype):
+        if fp4_experts == "int8":
+            return quantize_int8(dequantize_mxfp4(raw, scale, torch.float32))
+        return dequantize_mxfp4(raw, scale, dtype)
+    return dequantize_or_keep(name, raw, scale, dtype, block)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -178,13 +226,9 @@ def plan_tensors(
     ones, on unsupported quant types and on int8 where the model math takes only floating point."""
     names = {n: e for n, e in headers.items() if not n.startswith("mtp.")}
     expected = expected_tensors(model)
-    if quant_types is None:
-        _refuse_int8_companions(names)
-        int8: dict[str, tuple[str, str]] = {}
-    else:
-        int8 = int8_companions(names, quant_types, expected)
+    int8 = _int8_companions(names, expected, model, quant_types)
     scales = {n.removesuffix(SCALE_SUFFIX) + ".weight": n for n in names if n.endswith(SCALE_SUFFIX)}
-    present = set(names) - set(scales.values()) - {c for pair in int8.values() for c in pair}
+    present = set(names) - set(scales.values()) - {c for pair in int8.values() for c in pair if c}
     missing = [n for n in expected if n not in present]
     unexpected = sorted((present - expected.keys()) | {s for w, s in scales.items() if w not in expected})
     if missing:
@@ -196,34 +240,57 @@ def plan_tensors(
     return plan
 
 
+def _int8_companions(
+    names: dict[str, HeaderEntry],
+    expected: dict[str, tuple[int, ...]],
+    model: ModelConfig,
+    quant_types: dict[str, str] | None,
+) -> dict[str, tuple[str, str | None]]:
+    """Each int8 weight -> its (scale, offset) companions: msModelSlim's description, or the
+    compressed-tensors config (no offsets); neither: int8 companions are refused."""
+    ct = compressed_tensors_config(model.quantization)
+    if quant_types is not None:
+        if ct is not None:
+            raise CheckpointError(f"both {DESCRIPTION_FILE} and a compressed-tensors quantization_config")
+        return dict(int8_companions(names, quant_types, expected))
+    if ct is not None:
+        found = ct_int8_weights({n: e.key for n, e in names.items()}, expected, ct)
+        return {n: (s, None) for n, s in found.items()}
+    _refuse_int8_companions(names)
+    return {}
+
+
 def _planned(
-    name: str, names: dict[str, HeaderEntry], scales: dict[str, str], int8: dict[str, tuple[str, str]]
+    name: str,
+    names: dict[str, HeaderEntry],
+    scales: dict[str, str],
+    int8: dict[str, tuple[str, str | None]],
 ) -> PlannedTensor:
     if name in int8:
         scale, offset = int8[name]
-        return PlannedTensor(names[name], names[scale], names[offset])
+        return PlannedTensor(names[name], names[scale], names[offset] if offset else None, int8=True)
     return PlannedTensor(names[name], names[scales[name]] if name in scales else None)
 
 
 def _refuse_int8_companions(names: dict[str, HeaderEntry]) -> None:
     unsupported = sorted(n for n in names if n.endswith(INT8_SUFFIXES))
     if unsupported:
-        raise NotImplementedError(
-            f"W8A8 int8 tensors outside an msModelSlim checkpoint (no {DESCRIPTION_FILE}) are not "
-            f"supported yet: {listed(unsupported)}"
+        raise CheckpointError(
+            f"W8A8 int8 tensors outside an msModelSlim checkpoint (no {DESCRIPTION_FILE}) or a "
+            f"compressed-tensors one (quantization_config): {listed(unsupported)}"
         )
 
 
 def _check_shapes(plan: dict[str, PlannedTensor], expected: dict[str, tuple[int, ...]]) -> None:
     bad = []
     for name, item in plan.items():
-        if item.offset is not None:
+        if item.int8:
             bad += _int8_shape_errors(name, item, expected[name])
             continue
-        if item.scale is not None and item.weight.dtype in PACKED_FP4_HEADER_DTYPES:
-            raise NotImplementedError(
-                f"{name}: MXFP4 (int8-packed e2m1 + ue8m0 1x32 scales) is not supported yet"
-            )
+        if item.scale is not None and is_mxfp4(name, item.weight.dtype):
+            scale = item.scale
+            bad += mxfp4_shape_errors(name, item.weight.shape, scale.shape, scale.dtype, expected[name])
+            continue
         if item.scale is None and (item.weight.dtype in INT_HEADER_DTYPES) != name.endswith("tid2eid"):
             raise CheckpointError(f"{name}: unexpected dtype {item.weight.dtype} for an unscaled tensor")
         if item.weight.shape != expected[name]:
@@ -233,7 +300,7 @@ def _check_shapes(plan: dict[str, PlannedTensor], expected: dict[str, tuple[int,
 
 
 def _int8_shape_errors(name: str, item: PlannedTensor, shape: tuple[int, ...]) -> list[str]:
-    assert item.scale is not None and item.offset is not None
+    assert item.scale is not None
     if item.weight.dtype != "I8":
         raise CheckpointError(
             f"{name}: {QUANT_W8A8_DYNAMIC} weight of dtype {item.weight.dtype}, expected I8"
@@ -241,6 +308,8 @@ def _int8_shape_errors(name: str, item: PlannedTensor, shape: tuple[int, ...]) -
     base, rows = name.removesuffix(".weight"), shape[0]
     bad = [] if item.weight.shape == shape else [f"{name} {list(item.weight.shape)} (expected {list(shape)})"]
     for suffix, entry in ((WEIGHT_SCALE, item.scale), (WEIGHT_OFFSET, item.offset)):
+        if entry is None:
+            continue
         if entry.dtype not in FLOAT_HEADER_DTYPES:
             raise CheckpointError(
                 f"{base}{suffix}: dtype {entry.dtype}, expected one of {FLOAT_HEADER_DTYPES}"
@@ -267,13 +336,13 @@ def _place(out: dict[str, Weight], name: str, value: Weight, model: ModelConfig,
     if stacked not in out:
         out[stacked] = _empty_stack(value, model.n_routed_experts, device)
     target = out[stacked]
-    if isinstance(value, Int8Weight):
-        assert isinstance(target, Int8Weight)  # experts are uniform (_check_uniform_experts)
+    if isinstance(value, Int8Weight) and isinstance(target, Int8Weight):
         target.qweight[expert].copy_(value.qweight)
         target.scale[expert].copy_(value.scale)
-    else:
-        assert isinstance(target, torch.Tensor)
+    elif isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor):
         target[expert].copy_(value)
+    else:  # int8 checkpoints are checked before (check_uniform_experts); MXFP4 with int8 is not
+        raise CheckpointError(f"{name}: experts of {stacked} mix int8 and float (e.g. MXFP4 and bf16)")
 
 
 def _int8_to(w: Int8Weight, device: str) -> Int8Weight:

@@ -6,7 +6,7 @@ prefix. `expected_tensors` lists what a checkpoint must hold (routed experts one
 
 The format step (`dequantize_or_keep`) turns one on-disk tensor and its optional `.scale` companion
 into its logical value. FP8 e4m3 with 128x128 block scales (ue8m0 or fp32) is dequantized here;
-MXFP4 experts raise `NotImplementedError`. msModelSlim W8A8_DYNAMIC projections (`int8_weight`) stay
+packed MXFP4 experts are `formats.py`'s. msModelSlim W8A8_DYNAMIC projections (`int8_weight`) stay
 int8: `X.weight` with its `X.weight_scale` / `X.weight_offset` companions becomes an `Int8Weight`,
 which the model math takes only for the projections `takes_int8` names.
 """
@@ -204,9 +204,7 @@ def dequantize_or_keep(
         except CheckpointError as exc:
             raise CheckpointError(f"{name}{SCALE_SUFFIX}: {exc}") from None
     if tensor.dtype in PACKED_FP4_DTYPES:
-        raise NotImplementedError(
-            f"{name}: MXFP4 (int8-packed e2m1 + ue8m0 1x32 scales) is not supported yet"
-        )
+        raise CheckpointError(f"{name}: packed MXFP4 is read by formats.dequantize_mxfp4, not here")
     raise CheckpointError(f"{name}: dtype {tensor.dtype} cannot carry a {SCALE_SUFFIX} companion")
 
 
@@ -241,11 +239,11 @@ def int8_companions(
         if absent:
             raise CheckpointError(f"{name}: {QUANT_W8A8_DYNAMIC} weight without {' and '.join(absent)}")
         out[name] = pair
-    _check_uniform_experts(out, expected)
+    check_uniform_experts(out, expected)
     return out
 
 
-def _check_uniform_experts(int8: Mapping[str, object], expected: Mapping[str, Shape]) -> None:
+def check_uniform_experts(int8: Mapping[str, object], expected: Mapping[str, Shape]) -> None:
     kinds: dict[str, set[bool]] = {}
     for name in expected:
         slot = expert_slot(name)
@@ -262,13 +260,15 @@ def listed(names: list[str]) -> str:
     return ", ".join(names[:MAX_NAMES]) + (f" ... and {more} more" if more > 0 else "")
 
 
-def int8_weight(name: str, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int8Weight:
-    """W8A8_DYNAMIC `X.weight` int8 (out, in) with `X.weight_scale` / `X.weight_offset` ([out] or
-    [out, 1]) -> `Int8Weight` with an fp32 (out,) scale. Offsets must be zero (symmetric int8)."""
+def int8_weight(
+    name: str, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None
+) -> Int8Weight:
+    """W8A8 `X.weight` int8 (out, in) with `X.weight_scale` (and msModelSlim's `X.weight_offset`;
+    [out] or [out, 1]) -> `Int8Weight` with an fp32 (out,) scale. Offsets must be zero (symmetric)."""
     base = name.removesuffix(".weight")
     if qweight.dtype != torch.int8:
         raise CheckpointError(f"{name}: W8A8_DYNAMIC weight of dtype {qweight.dtype}, expected int8")
-    if bool(offset.ne(0).any()):
+    if offset is not None and bool(offset.ne(0).any()):
         raise CheckpointError(
             f"{base}{WEIGHT_OFFSET}: non-zero offsets (asymmetric int8) are not supported, "
             "W8A8_DYNAMIC weights must be symmetric"
