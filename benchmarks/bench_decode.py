@@ -314,6 +314,7 @@ def main() -> None:
             rids = list(prompts)
             experts = distinct_experts(runner, core, rids)
             times = core.decode(rids, args.steps)
+            launches = core.launch_times[-len(times) :]
             lengths = [core.lengths[r] for r in rids]
             nbytes = {
                 "weights": nonexpert + (batch - 1) * cfg.hidden_size * 2,
@@ -323,6 +324,7 @@ def main() -> None:
             roofline = sum(nbytes.values()) / bandwidth * 1e3
             entry = {
                 "core_ms": round(statistics.median(times[2:]) * 1e3, 3),
+                "launch_host_ms": round(statistics.median(launches[2:]) * 1e3, 3),  # of core_ms
                 "roofline_ms": round(roofline, 3),
                 "bytes": nbytes,
                 "distinct_experts": experts,

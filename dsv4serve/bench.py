@@ -36,6 +36,7 @@ class CoreDriver:
         self.lengths: dict[str, int] = {}
         self.last: dict[str, int] = {}
         self.step = 0
+        self.launch_times: list[float] = []  # host time of each step's launch (s): until it returns
 
     def _run(self, chunks: dict[str, Sequence[int]]) -> float:
         """One step: each rid's chunk after its cached tokens; returns execute()'s wall time (s)."""
@@ -54,7 +55,9 @@ class CoreDriver:
         self.runner.write_locs(locs)
         sync(self.runner.device)
         begin = time.perf_counter()
-        result = self.runner.execute(StepPlan(step=self.step, items=tuple(items)))
+        pending = self.runner.launch(StepPlan(step=self.step, items=tuple(items)))
+        self.launch_times.append(time.perf_counter() - begin)
+        result = pending.wait()
         sync(self.runner.device)
         elapsed = time.perf_counter() - begin
         self.step += 1
