@@ -238,7 +238,12 @@ def _load_model_config(model_dir: Path) -> None:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stdio", action="store_true", required=True, help="JSON lines on stdin / stdout")
+    door = p.add_mutually_exclusive_group(required=True)
+    door.add_argument("--stdio", action="store_true", help="JSON lines on stdin / stdout")
+    door.add_argument("--http", action="store_true", help="an OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1", help="--http: the address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="--http: the port (8000; 0 = any free one)")
+    p.add_argument("--served-model-name", default=None, help="--http: the model name (the directory's name)")
     _engine_arguments(p)
     p.set_defaults(log_level="info")
 
@@ -250,6 +255,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     _load_model_config(args.model)
     options = system_options(args.model, EngineConfig(**_engine_knobs(args)))
     configure_logs(args.log_level, stream=sys.stderr)
+    if args.http:
+        from dsv4serve.http.server import HttpOptions
+        from dsv4serve.http.server import run as run_http
+
+        http = HttpOptions(host=args.host, port=args.port, model_name=args.served_model_name)
+        return run_http(options, http)
     return stdio.run(options)
 
 
@@ -342,7 +353,9 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
         "quantize": Command(
             "write a W8A8 int8 checkpoint of a float or official one", _quantize_arguments, _run_quantize
         ),
-        "serve": Command("serve JSON-lines requests on stdin (--stdio)", _serve_arguments, _run_serve),
+        "serve": Command(
+            "serve JSON lines on stdin (--stdio) or OpenAI HTTP (--http)", _serve_arguments, _run_serve
+        ),
         "generate": Command("print the completion of one prompt", _generate_arguments, _run_generate),
         "demo": Command("stream a few prompts through a tiny checkpoint", _demo_arguments, _run_demo),
         "bench": Command("time prefill and decode steps of the executor core", _bench_arguments, _run_bench),

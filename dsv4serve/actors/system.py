@@ -126,6 +126,7 @@ class EngineHandle:
         nursery: trio.Nursery,
     ) -> None:
         self.model = parts.model
+        self.decoder = parts.decoder  # token strings for front doors (logprobs)
         self._allocator = parts.allocator
         self._front, self._clients, self._gauges, self._nursery = front, clients, gauges, nursery
         self._max_live = options.max_waiting + options.engine.max_num_seqs

@@ -74,7 +74,9 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Ten
     token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     key = _hash32(_hash32(seed) ^ position)  # (S,)
     bits = _hash32(key[:, None] ^ _hash32(token + 0x9E3779B)[None, :])  # (S, V)
-    return (bits.double() + 0.5).div(2.0**32).float()
+    # in float32 the top 2**-25 of (0, 1) rounds to 1.0, whose -log is 0: a zero-probability token
+    # would race 0 / 0 = NaN and win the argmax; the largest float32 below 1 keeps it at 0
+    return (bits.double() + 0.5).div(2.0**32).float().clamp(max=1.0 - 2.0**-24)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,263 @@
+"""The OpenAI-compatible ASGI app: routing, drain, and the completions / chat endpoints.
+
+Every generation request holds its engine requests in a `Generation` that is closed (cancelling what
+still runs) whether the request ends, fails, or its client disconnects. While draining, new
+generation requests get 503 and `/health` says so; `drained` is set once none is in flight.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import trio
+
+from dsv4serve.actors.system import EngineHandle
+from dsv4serve.chat import ChatError, ChatTemplate
+from dsv4serve.chat.messages import ChatPrompt
+from dsv4serve.http import schema as s
+from dsv4serve.http.asgi import (
+    ClientGone,
+    HttpError,
+    Receive,
+    Responder,
+    Scope,
+    Send,
+    read_body,
+    until_disconnect,
+)
+from dsv4serve.http.generation import Generation, http_error
+from dsv4serve.http.metrics import CONTENT_TYPE, Metrics
+from dsv4serve.http.streams import ChatStream, CompletionStream, Stream
+from dsv4serve.protocol import DoneEvent, ErrorEvent, SamplingSpec, Submit
+
+DEFAULT_CHAT_MAX_TOKENS = 1024
+MAX_BODY_BYTES = 64 << 20
+Handler = Callable[[Scope, Receive, Responder], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    model_name: str
+    max_model_len: int
+    max_body_bytes: int = MAX_BODY_BYTES
+    default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+
+
+class OpenAIApp:
+    def __init__(self, handle: EngineHandle, template: ChatTemplate, options: AppOptions) -> None:
+        self.handle, self.template, self.options = handle, template, options
+        self.metrics = Metrics(handle.stats)
+        self.draining = False
+        self.drained = trio.Event()
+        self.num_in_flight = 0
+        self._log = structlog.get_logger().bind(actor="http")
+        self._routes: dict[str, tuple[str, Handler]] = {
+            "/health": ("GET", self._health),
+            "/v1/models": ("GET", self._models),
+            "/metrics": ("GET", self._metrics),
+            "/v1/completions": ("POST", self._completions),
+            "/v1/chat/completions": ("POST", self._chat),
+        }
+
+    def begin_drain(self) -> None:
+        """Refuse new generation requests (503); `drained` is set when the last one in flight ends."""
+        if not self.draining:
+            self.draining = True
+            self._log.info("draining", in_flight=self.num_in_flight)
+        if self.num_in_flight == 0:
+            self.drained.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        out, path = Responder(send), scope["path"]
+        try:
+            _, handler = self._route(path, scope["method"])
+            await handler(scope, receive, out)
+        except HttpError as err:
+            await out.error(err)
+        except ClientGone:
+            pass
+        except Exception:  # a bug: logged, answered 500 if still possible; the server keeps serving
+            self._log.exception("http_failed", path=path)
+            if not out.started:
+                await out.error(HttpError(500, "internal server error", "internal"))
+        finally:
+            endpoint = path if path in self._routes else "other"
+            self.metrics.http_requests.labels(endpoint, str(out.status or 499)).inc()
+
+    def _route(self, path: str, method: str) -> tuple[str, Handler]:
+        route = self._routes.get(path)
+        if route is None:
+            raise HttpError(404, f"no endpoint {path}", "not_found")
+        if method != route[0]:
+            raise HttpError(405, f"{path} takes {route[0]}, not {method}", "method_not_allowed")
+        return route
+
+    # ------------------------------------------------------------ small endpoints
+
+    async def _health(self, scope: Scope, receive: Receive, out: Responder) -> None:
+        await out.json({"status": "draining" if self.draining else "ok"}, 503 if self.draining else 200)
+
+    async def _models(self, scope: Scope, receive: Receive, out: Responder) -> None:
+        card = s.ModelCard(id=self.options.model_name, max_model_len=self.options.max_model_len)
+        await out.json(s.ModelList(data=[card]))
+
+    async def _metrics(self, scope: Scope, receive: Receive, out: Responder) -> None:
+        await out.full(200, self.metrics.render(), CONTENT_TYPE.encode())
+
+    # ------------------------------------------------------------ generation
+
+    async def _completions(self, scope: Scope, receive: Receive, out: Responder) -> None:
+        req = await self._read(scope, receive, s.CompletionRequest)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        submits = []
+        try:
+            prompts = req.prompts()
+        except s.BadBody as err:
+            raise HttpError(400, str(err), "invalid_request", err.param) from None
+        for p, prompt in enumerate(prompts):
+            for j in range(req.n):
+                text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
+                submits.append(
+                    _submit(
+                        f"{rid}-{p * req.n + j}", text, ids, req, req.max_tokens, j, req.logprobs is not None
+                    )
+                )
+        await self._generate(scope, receive, out, submits, CompletionStream(rid, req, self.handle.decoder))
+
+    async def _chat(self, scope: Scope, receive: Receive, out: Responder) -> None:
+        req = await self._read(scope, receive, s.ChatRequest)
+        prompt = ChatPrompt(
+            messages=tuple(req.messages),
+            tools=tuple(req.tools or ()),
+            tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+            thinking=req.thinking,
+            reasoning_effort=req.reasoning_effort,
+        )
+        try:
+            rendered = self.template.render(prompt)
+        except ChatError as err:
+            raise HttpError(400, str(err), "invalid_request") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.options.default_chat_max_tokens
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        submits = [
+            _submit(f"{rid}-{j}", rendered.text, None, req, max_tokens, j, req.logprobs) for j in range(req.n)
+        ]
+        stream = ChatStream(rid, req, self.handle.decoder, self.template, rendered)
+        await self._generate(scope, receive, out, submits, stream)
+
+    async def _read(
+        self, scope: Scope, receive: Receive, kind: type[s.CompletionRequest] | type[s.ChatRequest]
+    ) -> Any:
+        if self.draining:
+            raise HttpError(503, "the server is draining; retry on another replica", "draining")
+        body = await read_body(scope, receive, self.options.max_body_bytes)
+        try:
+            req = s.decode(body, kind)
+        except s.BadBody as err:
+            raise HttpError(400, str(err), "invalid_request", err.param) from None
+        if req.model != self.options.model_name:
+            raise HttpError(
+                404,
+                f"model: {req.model!r} is not served here (try {self.options.model_name!r})",
+                "model_not_found",
+                "model",
+            )
+        return req
+
+    async def _generate(
+        self, scope: Scope, receive: Receive, out: Responder, submits: list[Submit], stream: Stream
+    ) -> None:
+        if self.draining:
+            raise HttpError(503, "the server is draining; retry on another replica", "draining")
+        self.num_in_flight += 1
+        generation: Generation | None = None
+        try:
+            generation = Generation(self.handle, submits)
+            body = self._stream if stream.streaming else self._whole
+            run = generation
+
+            async def answer() -> None:
+                await body(run, out, stream)
+
+            if await until_disconnect(receive, out, answer):
+                self._log.info("client_gone", id=stream.id)
+        finally:
+            if generation is not None:
+                generation.close()
+            self.num_in_flight -= 1
+            if self.draining and self.num_in_flight == 0:
+                self.drained.set()
+
+    async def _whole(self, generation: Generation, out: Responder, stream: Stream) -> None:
+        done: dict[int, DoneEvent] = {}
+        async for index, event in generation.events():
+            if isinstance(event, ErrorEvent):
+                raise http_error(event.code, event.message)
+            if isinstance(event, DoneEvent):
+                done[index] = event
+                self.metrics.finished(event)
+        await out.json(stream.whole([done[i] for i in range(len(done))]))
+
+    async def _stream(self, generation: Generation, out: Responder, stream: Stream) -> None:
+        try:
+            async for index, event in generation.events():
+                if isinstance(event, ErrorEvent):
+                    raise http_error(event.code, event.message)
+                if not out.started:
+                    await out.sse_start()
+                    for chunk in stream.opening():
+                        await out.sse(chunk)
+                if isinstance(event, DoneEvent):
+                    self.metrics.finished(event)
+                for chunk in stream.chunks(index, event):
+                    await out.sse(chunk)
+        except HttpError as err:
+            await out.error(err)
+            return
+        if (usage := stream.usage_chunk()) is not None:
+            await out.sse(usage)
+        await out.sse_done()
+
+
+def _submit(
+    rid: str,
+    text: str | None,
+    ids: tuple[int, ...] | None,
+    req: s.CompletionRequest | s.ChatRequest,
+    max_tokens: int,
+    j: int,
+    logprobs: bool,
+) -> Submit:
+    """One choice's engine request; choice j of a seeded request gets seed + j (choices differ)."""
+    seed = None if req.seed is None else req.seed + j
+    spec = SamplingSpec(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed, logprobs=logprobs
+    )
+    return Submit(
+        rid=rid,
+        prompt=text,
+        prompt_token_ids=ids,
+        max_tokens=max_tokens,
+        stop=req.stops,
+        stream=req.stream,
+        sampling=spec,
+    )
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,95 @@
+"""`serve --http`: hypercorn (trio worker) serving the OpenAI app, in the same trio run as the actors.
+
+`serve_http` starts the engine, then the server, and hands back an `HttpServer`. Drain (SIGINT or
+SIGTERM under `run`, or `HttpServer.begin_drain()`): new generation requests get 503 while the ones in
+flight finish; then the server stops listening and the engine drains and stops.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from functools import partial
+
+import structlog
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
+from dsv4serve.chat import template_for
+from dsv4serve.http.app import MAX_BODY_BYTES, AppOptions, OpenAIApp
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (see HttpServer.urls)
+    model_name: str | None = None  # None: the model directory's name
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+@dataclass(frozen=True)
+class HttpServer:
+    app: OpenAIApp
+    handle: EngineHandle
+    urls: tuple[str, ...]  # e.g. ("http://127.0.0.1:8000",)
+
+    def begin_drain(self) -> None:
+        self.app.begin_drain()
+
+
+async def serve_http(
+    options: SystemOptions,
+    http: HttpOptions,
+    *,
+    task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until drained (see the module docstring); the engine stops with it."""
+    log = structlog.get_logger().bind(actor="http")
+    async with trio.open_nursery() as nursery:
+        handle: EngineHandle = await nursery.start(run_system, options)
+        app_options = AppOptions(
+            model_name=http.model_name or options.model_dir.name,
+            max_model_len=options.engine.resolved_max_model_len(handle.model),
+            max_body_bytes=http.max_body_bytes,
+        )
+        app = OpenAIApp(handle, template_for(handle.model.model_type), app_options)
+        config = Config()
+        config.bind = [f"{http.host}:{http.port}"]
+        config.accesslog = None
+        config.errorlog = None  # unexpected failures reach our logs through the nursery
+        urls = await nursery.start(partial(serve, app, config, shutdown_trigger=app.drained.wait))  # type: ignore[arg-type]
+        log.info("ready", model=str(options.model_dir), urls=list(urls))
+        task_status.started(HttpServer(app, handle, tuple(urls)))
+        await app.drained.wait()
+        await handle.drain()
+    log.info("stopped")
+
+
+def run(options: SystemOptions, http: HttpOptions) -> int:
+    """The `serve --http` process body: exit status 0 after a signal-triggered drain."""
+    trio.run(_main, options, http)
+    return 0
+
+
+async def _main(options: SystemOptions, http: HttpOptions) -> None:
+    """A first signal drains, a second one stops the engine at once (requests in flight fail)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(_serve_then_stop, options, http, nursery.cancel_scope)
+            async for _ in signals:
+                if server.app.draining:
+                    server.handle.shutdown()
+                server.begin_drain()
+
+
+async def _serve_then_stop(
+    options: SystemOptions,
+    http: HttpOptions,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[HttpServer],
+) -> None:
+    await serve_http(options, http, task_status=task_status)
+    scope.cancel()

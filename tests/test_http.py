@@ -1,0 +1,300 @@
+"""`serve --http` against the official `openai` client on loopback, on the tiny checkpoint.
+
+Tool calls come from the real model with its logits forced to a script (`http_harness.ForcedRunner`):
+every step runs the model; only the sampled rows are biased toward the script's next id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsv4serve.chat.dsml import MARKERS
+from dsv4serve.chat.dsv4 import render_tool_calls
+from dsv4serve.chat.messages import FunctionCall, ToolCallSpec
+from dsv4serve.config import EngineConfig
+from tests.http_harness import ServedModel, free
+
+ENGINE = EngineConfig(max_total_tokens=8192, max_num_seqs=32, max_num_batched_tokens=512)
+MAX_BODY = 1 << 20
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+ARGS = {"city": 'Paris <"x">', "days": 3, "units": ["c", "f"]}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[ServedModel]:
+    model = ServedModel(tiny_model_dir, ENGINE, max_body_bytes=MAX_BODY)
+    yield model
+    model.close()
+
+
+@pytest.fixture
+def client(served: ServedModel) -> Iterator[openai.OpenAI]:
+    served.forced.script = None
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+        yield c
+    served.forced.script = None
+
+
+def wait_free(served: ServedModel, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not free(served.pool_usage()):
+        assert time.monotonic() < deadline, served.pool_usage()
+        time.sleep(0.05)
+
+
+def tool_call_text(reasoning: str, content: str) -> str:
+    call = ToolCallSpec(function=FunctionCall(name="get_weather", arguments=json.dumps(ARGS)))
+    return reasoning + "</think>" + content + render_tool_calls([call])
+
+
+# ---------------------------------------------------------------- completions and chat
+
+
+def test_completions_text_ids_stream_n_and_logprobs(served: ServedModel, client: openai.OpenAI) -> None:
+    whole = client.completions.create(
+        model="tiny", prompt="The capital of France is", max_tokens=6, temperature=0
+    )
+    ids = [0, *served.encode("The capital of France is")]  # BOS + the text: the same prompt
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=0)
+    streamed = client.completions.create(
+        model="tiny",
+        prompt="The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert whole.choices[0].text and whole.choices[0].text == by_ids.choices[0].text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert (
+        whole.usage is not None
+        and whole.usage.prompt_tokens == len(ids)
+        and whole.choices[0].finish_reason == "length"
+    )
+    lp = by_ids.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and len(lp.token_logprobs) == 6
+    assert all(x <= 0 for x in lp.token_logprobs) and "".join(lp.tokens or []) == whole.choices[0].text
+    multi = client.completions.create(
+        model="tiny", prompt=["a", "b"], n=2, max_tokens=3, temperature=1.0, seed=7
+    )
+    assert sorted(c.index for c in multi.choices) == [0, 1, 2, 3]
+    again = client.completions.create(
+        model="tiny", prompt=["a", "b"], n=2, max_tokens=3, temperature=1.0, seed=7
+    )
+    assert [c.text for c in again.choices] == [c.text for c in multi.choices]  # seeded: reproducible
+    wait_free(served)
+
+
+def test_chat_plain_stream_equals_whole(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True, logprobs=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text == (whole.choices[0].message.content or "")
+    last = chunks[-1].choices[0]
+    assert (
+        last.finish_reason == "length" and last.logprobs is not None and len(last.logprobs.content or []) == 8
+    )
+
+
+def test_chat_stream_tool_call_with_reasoning(served: ServedModel, client: openai.OpenAI) -> None:
+    served.forced.script = served.encode(tool_call_text("I should look it up.", "Checking."))
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        max_tokens=200,
+        stream=True,
+        extra_body={"thinking": True},
+    )
+    reasoning, content, names, pieces, reasons = [], [], [], [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning.append(getattr(delta, "reasoning_content", None) or "")
+            content.append(delta.content or "")
+            for call in delta.tool_calls or []:
+                if call.function and call.function.name:
+                    names.append(call.function.name)
+                if call.function and call.function.arguments:
+                    pieces.append(call.function.arguments)
+            reasons.append(choice.finish_reason)
+    assert "".join(reasoning) == "I should look it up." and "".join(content) == "Checking."
+    assert names == ["get_weather"] and len(pieces) > 3 and json.loads("".join(pieces)) == ARGS
+    assert reasons[-1] == "tool_calls"
+    assert not any(m in "".join(content + reasoning) for m in MARKERS)
+
+    whole = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        max_tokens=200,
+        extra_body={"thinking": True},
+    )
+    message = whole.choices[0].message
+    assert (
+        message.content == "Checking."
+        and getattr(message, "reasoning_content", None) == "I should look it up."
+    )
+    assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(message.tool_calls[0].function.arguments) == ARGS  # type: ignore[union-attr]
+    assert whole.choices[0].finish_reason == "tool_calls"
+
+
+def test_named_tool_choice_prefills_the_call(served: ServedModel, client: openai.OpenAI) -> None:
+    full = render_tool_calls(
+        [ToolCallSpec(function=FunctionCall(name="get_weather", arguments='{"city": "Oslo"}'))]
+    )
+    served.forced.script = served.encode(
+        full.split('name="get_weather">\n', 1)[1]
+    )  # the model writes the rest
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Oslo?"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=100,
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert (
+        calls
+        and calls[0].function.name == "get_weather"
+        and json.loads(calls[0].function.arguments) == {"city": "Oslo"}
+    )  # type: ignore[union-attr]
+    assert not reply.choices[0].message.content
+
+
+# ---------------------------------------------------------------- errors, disconnect, metrics
+
+
+def test_errors_use_openai_error_objects(served: ServedModel, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="x", temperature=-1)
+    assert bad.value.status_code == 400 and "temperature" in str(bad.value.body)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="unknown field"):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], extra_body={"bogus": 1}
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    with httpx.Client(base_url=served.url) as http:
+        assert http.get("/nope").status_code == 404
+        assert http.get("/v1/completions").status_code == 405
+        big = http.post(
+            "/v1/completions", content=b" " * (MAX_BODY + 1), headers={"content-type": "application/json"}
+        )
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    wait_free(served)
+
+
+def test_disconnect_cancels_and_frees(served: ServedModel) -> None:
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 2000, "stream": True}
+    with (
+        httpx.Client(base_url=served.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()
+        assert r.status_code == 200 and next(lines).startswith("data: ")
+        assert not free(served.pool_usage())
+    wait_free(served)  # long before 2000 tokens could have been generated
+
+
+def test_metrics_parse_as_prometheus_text(served: ServedModel, client: openai.OpenAI) -> None:
+    client.completions.create(model="tiny", prompt="m", max_tokens=3)
+    with httpx.Client(base_url=served.url) as http:
+        text = http.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "dsv4serve_requests_running",
+        "dsv4serve_requests_waiting",
+        "dsv4serve_pool_used_slots",
+        "dsv4serve_tokens_per_second",
+        "dsv4serve_time_to_first_token_seconds",
+        "dsv4serve_time_per_output_token_seconds",
+        "dsv4serve_preemptions",
+    ):
+        assert name in families, name
+    pools = {s.labels["pool"] for s in families["dsv4serve_pool_capacity_slots"].samples}
+    assert pools == set(served.pool_usage())
+    ttft = [s for s in families["dsv4serve_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert ttft[0].value >= 1
+
+
+# ---------------------------------------------------------------- load
+
+
+def test_concurrent_streams_each_end_exactly_once(served: ServedModel) -> None:
+    num = 200
+
+    async def one(http: httpx.AsyncClient, i: int, ends: list[int]) -> None:
+        body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 1 + i % 4, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ends[i] += sum(c["finish_reason"] is not None for c in json.loads(line[6:])["choices"])
+                elif line == "data: [DONE]":
+                    ends[i] += 100
+
+    async def main() -> list[int]:
+        ends = [0] * num
+        limits = httpx.Limits(max_connections=num)
+        async with httpx.AsyncClient(base_url=served.url, timeout=120, limits=limits) as http:
+            with trio.fail_after(150):
+                async with trio.open_nursery() as nursery:
+                    for i in range(num):
+                        nursery.start_soon(one, http, i, ends)
+        return ends
+
+    assert trio.run(main) == [101] * num  # one finish_reason and one [DONE] each
+    wait_free(served)
+    assert served.call(lambda: served.server.handle.stats().running) == 0
+
+
+# ---------------------------------------------------------------- overload and drain
+
+
+def test_overload_429_and_drain_503(tiny_model_dir: Path) -> None:
+    model = ServedModel(tiny_model_dir, EngineConfig(max_total_tokens=4096, max_num_seqs=1), max_waiting=0)
+    try:
+        with httpx.Client(base_url=model.url, timeout=60) as http:
+            body = {"model": "tiny", "prompt": "a", "max_tokens": 40, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as first:
+                lines = first.iter_lines()
+                assert next(lines).startswith("data: ")
+                busy = http.post("/v1/completions", json={"model": "tiny", "prompt": "b"})
+                assert busy.status_code == 429 and busy.json()["error"]["code"] == "overloaded"
+                model.begin_drain()
+                late = http.post("/v1/completions", json={"model": "tiny", "prompt": "b"})
+                assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+                assert http.get("/health").status_code == 503
+                rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]" and any('"finish_reason":"length"' in x for x in rest)
+    finally:
+        model.close()  # returns once drained: the thread ends
