@@ -1,5 +1,11 @@
 """Run the same prompts through transformers (the golden reference) and through dsv4serve's
 executor core (allocator -> six-tuples -> tables -> ModelRunner), recording every position's logits.
+
+The reference is `reference_model`: transformers' DeepseekV4ForCausalLM with its indexer's top-k
+patched to the engine's tie rule (highest score first, exact ties to the lowest compressed index).
+Its own `torch.topk` choice among exact ties is an artefact of the row's width, which in transformers
+is the number of compressed entries cached so far; indexer scores tie exactly whenever every index
+head's dot product is negative (the score is then 0), which is common with few index heads.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4serve.attention.core import topk_lowest_ties
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory.allocator import KVAllocator, Refusal
@@ -27,10 +34,41 @@ class Trace:
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
-def reference_traces(model_dir: Path, prompts: Sequence[Sequence[int]], max_new: int) -> list[Trace]:
+class LowestTiesScores(torch.Tensor):
+    """Indexer scores whose `topk` follows the engine's tie rule (a subclass survives masked_fill)."""
+
+    def topk(  # type: ignore[override]
+        self, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
+    ) -> torch.return_types.topk:
+        assert dim in (-1, self.dim() - 1) and largest, "only the indexer's call is patched"
+        scores = self.as_subclass(torch.Tensor)
+        indices = topk_lowest_ties(scores, k)  # (..., k), highest first
+        return torch.return_types.topk((scores.gather(-1, indices), indices))
+
+
+def patch_indexer_tie_rule(model: torch.nn.Module) -> int:
+    """Make every indexer scorer of a transformers DeepseekV4 model return `LowestTiesScores`, so its
+    top-k picks ties as the engine does. Returns the number of scorers patched."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
+
+    scorers = [m for m in model.modules() if isinstance(m, DeepseekV4IndexerScorer)]
+    for scorer in scorers:
+        forward = scorer.forward
+        scorer.forward = lambda *args, _f=forward: _f(*args).as_subclass(LowestTiesScores)  # type: ignore[method-assign]
+    return len(scorers)
+
+
+def reference_model(model_dir: Path) -> torch.nn.Module:
+    """transformers' model of `model_dir` in fp32, eval mode, its indexer on the engine's tie rule."""
     from transformers import DeepseekV4ForCausalLM
 
     model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    patch_indexer_tie_rule(model)
+    return model
+
+
+def reference_traces(model_dir: Path, prompts: Sequence[Sequence[int]], max_new: int) -> list[Trace]:
+    model = reference_model(model_dir)
     traces = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -3,7 +3,8 @@
 Several requests of different lengths run in one flat batch (prefill chunks mixed with decodes),
 with whole or randomly chunked prefills, in both compressor-state modes and several page sizes.
 Required: identical greedy ids for 32 new tokens and max |logit difference| <= 1e-3 at every
-position (prefill and every decode step).
+position (prefill and every decode step). The reference's indexer top-k breaks exact ties to the
+lowest compressed index, as the engine does (`golden_harness.reference_model`).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def test_tables_from_the_allocator_give_block_tables(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["paged", "ring"])
-def test_kv_pools_shapes_init_and_sentinel(mode: str) -> None:
+def test_kv_pools_shapes_and_sentinel(mode: str) -> None:
     engine = ENGINE.with_(state_mode=mode, dtype="bfloat16")
     sizes = PoolSizes.for_engine(TINY, engine)
     pools = KVPools(TINY, sizes, engine)
@@ -108,9 +108,6 @@ def test_kv_pools_shapes_init_and_sentinel(mode: str) -> None:
     assert c4s.shape == (sizes.c4_state + 1, P, 1, 128) and c4s.dtype == torch.float32
     assert c4i.shape == (sizes.c4_state + 1, P, 1, 64)
     assert c128s.shape == (sizes.c128_state + 1, P, 1, 64)
-    for state in (c4s, c4i, c128s):
-        half = state.shape[-1] // 2
-        assert not state[..., :half].any() and torch.isneginf(state[..., half:]).all()
     ring = mode == "ring"
     assert pools.state_sentinel == {"c4_state": 3 * 8 if ring else 0, "c128_state": 3 * 16 if ring else 0}
     assert flat(c4s).shape == ((sizes.c4_state + 1) * P, 128)

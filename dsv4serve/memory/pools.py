@@ -2,6 +2,11 @@
 
 Page 0 of a paged pool is the skip sentinel. A slot id addresses the same row in every layer's buffer
 of its pool; `flat(t)` views a buffer as [slots, dim] for slot-indexed reads and writes.
+
+Buffers are allocated with `torch.empty`: no value in them is relied on. Reads of rows nobody wrote
+(padded window lists, masked top-k picks, sentinel slots, stale table entries) are selected out in
+every backend, never multiplied by zero, so a pool full of NaN or +-inf serves the same tokens
+(tests/test_pool_poison.py).
 """
 
 from __future__ import annotations
@@ -18,10 +23,8 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _state_buffer(pages: int, page_size: int, width: int, device: torch.device) -> torch.Tensor:
-    """fp32 rows [kv | score] of width `width`, initialised to kv = 0, score = -inf."""
-    t = torch.zeros(pages + 1, page_size, 1, width, dtype=torch.float32, device=device)
-    t[..., width // 2 :] = float("-inf")
-    return t
+    """fp32 rows [kv | score] of width `width`, uninitialised."""
+    return torch.empty(pages + 1, page_size, 1, width, dtype=torch.float32, device=device)
 
 
 def _check_ring_room(pool: str, slots: int, seqs: int, ratio: int) -> None:
@@ -49,7 +52,7 @@ class KVPools:
         hca_layers = model.layers_with_ratio(hca) if hca else ()
 
         def kv(pages: int, width: int) -> torch.Tensor:
-            return torch.zeros(pages + 1, size, 1, width, dtype=dtype, device=dev)
+            return torch.empty(pages + 1, size, 1, width, dtype=dtype, device=dev)
 
         self.swa = [kv(sizes.swa, dim) for _ in range(model.num_layers)]
         self.c4 = {layer: kv(sizes.c4, dim) for layer in c4_layers}
@@ -70,9 +73,9 @@ class KVPools:
             _check_ring_room("c4_state", sizes.c4_state * size, seqs, 4 if c4_layers else 0)
             _check_ring_room("c128_state", sizes.c128_state * size, seqs, hca)
 
-    def nbytes(self) -> dict[str, int]:
-        """Bytes of each buffer family, summed over layers."""
-        families = {
+    def families(self) -> dict[str, list[torch.Tensor]]:
+        """Every device buffer, by family (one buffer per layer that has the pool)."""
+        return {
             "swa": self.swa,
             "c4": list(self.c4.values()),
             "c4_index": list(self.c4_index.values()),
@@ -81,4 +84,7 @@ class KVPools:
             "c4_index_state": list(self.c4_index_state.values()),
             "c128_state": list(self.c128_state.values()),
         }
-        return {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in families.items()}
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of each buffer family, summed over layers."""
+        return {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in self.families().items()}

@@ -2,7 +2,11 @@
 
 The reverse of transformers' conversion mapping for `deepseek_v4` (its `conversion_mapping.py`):
 `DeepseekV4ForCausalLM`'s modules are named `model.layers.L.self_attn.q_a_proj`, `...mlp.experts.
-gate_up_proj` (W1 and W3 stacked and concatenated), `model.hc_head.hc_fn`, and so on.
+gate_up_proj` (W1 and W3 stacked and concatenated), `model.hc_head.hc_fn`, and so on. Its
+`save_pretrained` writes those native names with `save_original_format=False`; by default it runs the
+mapping backwards, which leaves a mix: official names, plus `model.embed_tokens.weight`,
+`model.hc_head.hc_*` and `layers.L.attn.norm.weight` (the attention's `kv_norm`, renamed by the mapping's
+generic `.norm.` -> `.kv_norm.` rule). Every one of these maps here; official names are kept.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ _RULES = [  # applied in order, after dropping a leading "model."
     (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
     (r"\.compressor\.kv_norm\.", ".compressor.norm."),
     (r"\.attn\.kv_proj\.", ".attn.wkv."),
+    (r"\.attn\.norm\.", ".attn.kv_norm."),  # save_pretrained's reverse mapping of the attention's kv_norm
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
     (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
     (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
@@ -63,3 +68,26 @@ def official_weights(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tor
         else:
             out[official] = value
     return out
+
+
+def stacked_expert_parts(name: str, shape: tuple[int, ...]) -> list[tuple[str, int, int, int]] | None:
+    """transformers' stacked experts as official per-expert tensors: (name, expert, first row, end row).
+
+    `layers.L.ffn.experts.gate_up_proj` (E, 2I, H) holds w1 in rows [0, I) and w3 in [I, 2I) of each
+    expert; `layers.L.ffn.experts.w2` (transformers' `down_proj`, (E, H, I)) holds w2. None for any
+    other name or shape (such a tensor is then reported as unexpected or mis-shaped).
+    """
+    stem, _, leaf = name.rpartition(".experts.")
+    if not stem or len(shape) != 3 or leaf not in ("gate_up_proj", "w2"):
+        return None
+    num, rows = shape[0], shape[1]
+    if leaf == "w2":
+        return [(f"{stem}.experts.{e}.w2.weight", e, 0, rows) for e in range(num)]
+    if rows % 2:
+        return None
+    inter = rows // 2
+    return [
+        (f"{stem}.experts.{e}.{proj}.weight", e, start, start + inter)
+        for e in range(num)
+        for proj, start in (("w1", 0), ("w3", inter))
+    ]

@@ -2,6 +2,8 @@
 
 `load_checkpoint` reads one `model.safetensors`, or the shards listed by `model.safetensors.index.json`
 (or every `*.safetensors` file). Names may carry a `model.` prefix; `mtp.*` tensors are skipped.
+transformers' names (`DeepseekV4ForCausalLM.save_pretrained`, in either format) map to the official
+ones first (`hf_names.py`); its stacked experts are read as per-expert slices.
 Before any data is read the headers are checked against `expected_tensors(model)`: missing,
 unexpected and mis-shaped tensors raise one `CheckpointError` naming them. Each tensor then goes
 through the format step (`dequantize_or_keep`, which consumes a `.scale` companion), is cast to its
@@ -43,6 +45,7 @@ from dsv4serve.models.formats import (
     is_mxfp4,
     mxfp4_shape_errors,
 )
+from dsv4serve.models.hf_names import official_name, stacked_expert_parts
 from dsv4serve.models.weights import (
     DEFAULT_BLOCK,
     INT8_SUFFIXES,
@@ -83,6 +86,7 @@ class HeaderEntry:
     key: str  # the name in the file (may carry the `model.` prefix)
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string, e.g. "BF16", "F8_E4M3"
+    part: tuple[int, int, int] | None = None  # (expert, first row, end row) of a stacked experts tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,17 +209,32 @@ def _open(file: Path) -> Any:
 
 
 def read_headers(files: list[Path]) -> dict[str, HeaderEntry]:
-    """Every tensor of every file by its name without a `model.` prefix; duplicates are an error."""
+    """Every tensor of every file by its official name (transformers' names mapped, its stacked experts
+    split per expert); two tensors with one official name are an error."""
     out: dict[str, HeaderEntry] = {}
     for file in files:
         with _open(file) as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                name = key.removeprefix("model.")
-                if name in out:
-                    raise CheckpointError(f"{name}: present twice ({out[name].file.name}, {file.name})")
                 part = handle.get_slice(key)
-                out[name] = HeaderEntry(file, key, tuple(part.get_shape()), part.get_dtype())
+                for name, entry in _entries(file, key, tuple(part.get_shape()), part.get_dtype()):
+                    if name in out:
+                        first = out[name]
+                        raise CheckpointError(
+                            f"{name}: present twice ({first.key} in {first.file.name}, {key} in {file.name})"
+                        )
+                    out[name] = entry
     return out
+
+
+def _entries(file: Path, key: str, shape: tuple[int, ...], dtype: str) -> list[tuple[str, HeaderEntry]]:
+    name = official_name(key)
+    parts = stacked_expert_parts(name, shape)
+    if parts is None:
+        return [(name, HeaderEntry(file, key, shape, dtype))]
+    return [
+        (expert_name, HeaderEntry(file, key, (end - start, *shape[2:]), dtype, (expert, start, end)))
+        for expert_name, expert, start, end in parts
+    ]
 
 
 def plan_tensors(
@@ -321,7 +340,11 @@ def _int8_shape_errors(name: str, item: PlannedTensor, shape: tuple[int, ...]) -
 
 def _read(handles: dict[Path, Any], entry: HeaderEntry) -> torch.Tensor:
     try:
-        tensor: torch.Tensor = handles[entry.file].get_tensor(entry.key)
+        if entry.part is None:
+            tensor: torch.Tensor = handles[entry.file].get_tensor(entry.key)
+        else:
+            expert, start, end = entry.part
+            tensor = handles[entry.file].get_slice(entry.key)[expert, start:end]
         return tensor
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{entry.file}: cannot read {entry.key} ({exc})") from None
