@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A self-contained session on the lent H200 (see the device tool): installs the carried wheels
 # (.whl: transformers >= 5.23, trio, msgspec, structlog, ...), then runs what the first argument names:
-#   tests  - every Triton kernel test and the golden tests on CUDA (graphs on)
+#   tests  - every Triton kernel test, the golden tests and the pool-poison test on CUDA (graphs on)
 #   bench  - benchmarks/bench_decode.py (JSON to $OUT/bench.json and stdout)
 #   kernels - benchmarks/bench_kernels.py (tile sweeps, JSON to stdout)
 #   all    - bench, then kernels
@@ -16,8 +16,8 @@ case "$1" in
 tests)
     DSV4SERVE_TEST_DEVICE=cuda timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_*.py \
         2>&1 | tee "$OUT/kernels.log" | tail -25
-    DSV4SERVE_TEST_DEVICE=cuda timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_golden_dsv4.py \
-        tests/test_golden_engine.py 2>&1 | tee "$OUT/golden.log" | tail -25
+    DSV4SERVE_TEST_DEVICE=cuda timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_golden_dsv4.py \
+        tests/test_golden_engine.py tests/test_pool_poison.py 2>&1 | tee "$OUT/golden.log" | tail -25
     ;;
 bench)
     shift
