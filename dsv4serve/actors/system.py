@@ -51,6 +51,7 @@ from dsv4serve.protocol import (
     StepPlan,
     Submit,
     TokenizerMsg,
+    check_submit,
 )
 from dsv4serve.scheduler import SchedulerCore
 
@@ -138,7 +139,7 @@ class EngineHandle:
             raise RequestError("internal", "the engine is draining or stopped", req.rid or None)
         if self._clients.get(req.rid) is not None:
             raise RequestError("duplicate_id", f"id: a request with id {req.rid!r} is running", req.rid)
-        _validate(req, self.model.vocab_size)
+        check_submit(req, self.model.vocab_size)
         busy = RequestError("overloaded", f"the engine holds {self._max_live} requests; retry later", req.rid)
         if self._clients.num_live >= self._max_live:
             raise busy
@@ -197,24 +198,6 @@ class EngineHandle:
     def shutdown(self) -> None:
         self._draining = True
         self._nursery.cancel_scope.cancel()
-
-
-def _validate(req: Submit, vocab_size: int) -> None:
-    def bad(message: str) -> RequestError:
-        return RequestError("invalid_request", message, req.rid or None)
-
-    if not req.rid:
-        raise bad("id: must be a non-empty string")
-    if (req.prompt is None) == (req.prompt_token_ids is None):
-        raise bad("prompt: give exactly one of prompt / prompt_token_ids")
-    if req.prompt_token_ids is not None:
-        if not req.prompt_token_ids:
-            raise bad("prompt_token_ids: must not be empty")
-        for i, tid in enumerate(req.prompt_token_ids):
-            if not 0 <= tid < vocab_size:
-                raise bad(f"prompt_token_ids[{i}]: {tid} is outside the vocabulary [0, {vocab_size})")
-    if req.max_tokens < 1:
-        raise bad(f"max_tokens: must be >= 1, got {req.max_tokens}")
 
 
 async def run_system(
