@@ -25,6 +25,7 @@ from dsv4serve.memory.sizing_table import render_plan
 from dsv4serve.params import SamplingParams
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 
 class UsageError(Exception):
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     try:
         return COMMANDS[args.command].run(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a signal-handling loop (e.g. while torch imports)
+        print(f"dsv4serve {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (Exception, BaseExceptionGroup) as exc:  # re-raised unless it is a user error
         user_error = _user_error(exc)
         if user_error is None:
@@ -206,7 +210,16 @@ def _load_model_config(model_dir: Path) -> None:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stdio", action="store_true", required=True, help="JSON lines on stdin / stdout")
+    p.add_argument(
+        "--stdio", action="store_true", help="JSON lines on stdin / stdout (the default and only transport)"
+    )
+    p.add_argument(
+        "--drain-grace-s",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="after SIGTERM / SIGINT, how long accepted requests may take to finish",
+    )
     _engine_arguments(p)
     p.set_defaults(log_level="info")
 
@@ -218,7 +231,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     _load_model_config(args.model)
     options = system_options(args.model, EngineConfig(**_engine_knobs(args)))
     configure_logs(args.log_level, stream=sys.stderr)
-    return stdio.run(options)
+    return stdio.run(options, args.drain_grace_s)
 
 
 # ---------------------------------------------------------------------------------------- generate

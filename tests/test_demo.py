@@ -73,7 +73,7 @@ def test_generate_prints_the_completion(
         (["generate", "--model", "/nonexistent", "--prompt", "x"], "does not exist"),
         (["generate", "--model", "MODEL"], "required: --prompt"),
         (["demo", "--max-tokens", "0"], "--max-tokens"),
-        (["serve", "--model", "MODEL"], "required: --stdio"),
+        (["serve", "--stdio"], "required: --model"),
         (["serve", "--stdio", "--model", "/nonexistent"], "does not exist"),
         (
             ["serve", "--stdio", "--model", "MODEL", "--page-size", "24"],
