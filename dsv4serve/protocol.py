@@ -616,6 +616,7 @@ class TablesReady(_Msg, frozen=True, tag="tables_ready"):
     step: int
     plan: StepPlan
     pool_used: dict[str, int] = {}
+    error: str | None = None  # the tables could not be written: the step fails instead of running
 
 
 ExecutorMsg: TypeAlias = TablesReady | Drain

@@ -269,9 +269,9 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str]) -> None:
         if isinstance(stops, str):
-            raise TokenizerError("stops must be a list of strings, not a string")
+            raise TokenizerError("stop: must be a list of strings, not a string")
         if any(not isinstance(s, str) or not s for s in stops):
-            raise TokenizerError("stop strings must be non-empty strings")
+            raise TokenizerError("stop: stop strings must be non-empty strings")
         self._stops = tuple(dict.fromkeys(stops))
         self._fail = tuple(_failure_table(s) for s in self._stops)
         self._state = [0] * len(self._stops)  # chars of each stop the text's tail matches
