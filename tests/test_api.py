@@ -163,6 +163,22 @@ def test_failed_requests_raise_and_free_their_batch(engine: Engine) -> None:
     assert engine.generate(["still", "serving"], greedy(2))[1].finish_reason == "length"
 
 
+def test_generate_queues_a_batch_larger_than_the_admission_bound(tiny_model_dir: Path) -> None:
+    """5,000 prompts, far above the 1,024 + 256 requests the engine admits at once: all complete, in
+    input order (this used to raise `overloaded`)."""
+    prompts: list[Any] = [[0, 5 + i % 97] if i % 50 else f"prompt {i}" for i in range(5000)]
+    with Engine(tiny_model_dir, max_num_seqs=256, max_total_tokens=8192, page_size=16) as engine:
+        completions = engine.generate(prompts, greedy(1))
+        wait_until_free(engine)
+    assert len(completions) == 5000
+    assert all(len(c.token_ids) == 1 and c.finish_reason in ("length", "stop") for c in completions)
+    for prompt, c in zip(prompts, completions, strict=True):
+        if isinstance(prompt, list):
+            assert list(c.prompt_token_ids) == prompt
+    first = {tuple(c.prompt_token_ids): c.token_ids for c in completions}  # greedy: same prompt, same token
+    assert all(first[tuple(c.prompt_token_ids)] == c.token_ids for c in completions)
+
+
 def test_close_drains_in_flight_requests_then_refuses(tiny_model_dir: Path) -> None:
     eng = Engine(tiny_model_dir, **SMALL)
     results: list[list[Completion]] = []
