@@ -163,17 +163,23 @@ class AsyncEngine(_Configured):
         per_prompt = params_list(params, len(items))
         results: list[Completion | RequestError | None] = [None] * len(items)
         opened: list[tuple[str, trio.MemoryReceiveChannel[protocol.Event]]] = []
+        refused: RequestError | None = None
         try:
             async with trio.open_nursery() as nursery:
                 for i, (prompt, p) in enumerate(zip(items, per_prompt, strict=True)):
-                    opened.append(await self._open_queued(prompt, p))
+                    try:
+                        opened.append(await self._open_queued(prompt, p))
+                    except RequestError as err:  # refused at submission: the others are cancelled
+                        refused = err
+                        nursery.cancel_scope.cancel()
+                        break
                     nursery.start_soon(self._collect, opened[-1][1], results, i, nursery.cancel_scope)
         finally:
             for (rid, events), result in zip(opened, results, strict=False):
                 events.close()
                 if result is None:  # failed or cancelled meanwhile
                     handle.cancel(rid)
-        for result in results:
+        for result in (refused, *results):
             if isinstance(result, RequestError):
                 raise result
         return results  # type: ignore[return-value]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import structlog
 import trio
 
 from dsv4serve import AsyncEngine, Completion, Engine, RequestError, SamplingParams, TokenEvent
-from dsv4serve.actors.tokenizer_core import encode_prompt, load_tokenizer
+from dsv4serve.actors.tokenizer_core import TokenizerError, encode_prompt, load_tokenizer
 from dsv4serve.config import EngineConfig
 
 SMALL: dict[str, Any] = {"max_total_tokens": 512, "page_size": 16, "max_num_seqs": 8}
@@ -244,3 +245,17 @@ async def test_async_generate_cancelled_by_its_caller_frees_memory(tiny_model_di
                 pass
     with pytest.raises(RuntimeError, match="not running"):
         await eng.generate(["x"], greedy(1))
+
+
+def test_a_lone_surrogate_prompt_names_prompt(engine: Engine) -> None:
+    with pytest.raises(RequestError) as err:
+        engine.generate(["fine", "bad \ud800 text"], greedy(2))
+    assert err.value.code == "invalid_request" and err.value.message.startswith("prompt: not valid Unicode")
+
+
+def test_the_tokenizer_loads_first_and_fails_fast(tiny_model_dir: Path, tmp_path: Path) -> None:
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    (tmp_path / "tokenizer.json").write_text("{not json")  # and no weights at all
+    with pytest.raises(TokenizerError, match="cannot load tokenizer"):
+        Engine(tmp_path)

