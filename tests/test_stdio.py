@@ -217,6 +217,34 @@ def test_cancel_mid_stream(server: Server) -> None:
     assert (error["type"], error["id"], error["code"]) == ("error", "m1", "unknown_id")
 
 
+def test_hostile_lines_get_one_error_each_while_a_stream_carries_on(server: Server) -> None:
+    """Issue 9: deep nesting killed the server; a huge stop string cost 1.1 GB; others lost their id."""
+    deep = "[" * 3000 + "]" * 3000
+    hostile = [  # (line, the error's id)
+        ('{"type":"generate","id":"h1","prompt":' + deep + "}", None),
+        ('{"id":"h2","x":' + deep + ',"type":"generate"}', None),
+        ('{"type":"generate","id":"h3","prompt":"x","stop":["' + "s" * 200_000 + '"]}', "h3"),
+        ('{"type":"generate","id":"h4","prompt":"x","stop":[' + ",".join(['"s"'] * 5000) + "]}", "h4"),
+        ('{"type":"generate","id":"' + "i" * 100_000 + '","prompt":"x"}', None),
+        ('{"type":"generate","id":"h6","prompt":"x","temperature":1e400}', "h6"),
+        ('{"type":"generate","id":"h7","prompt":"x","top_p":NaN}', "h7"),
+        ('{"type":"generate","id":"h8","prompt":"x","top_k":' + "9" * 10_000 + "}", "h8"),
+        ('{"type":"generate","id":"h9","prompt":"\\ud800"}', "h9"),
+    ]
+    server.send(generate("live", prompt="The capital of France is", max_tokens=40, stream=True))
+    server.until(lambda got: any(e["type"] == "token" for e in got))
+    server.send(*(text.encode() + b"\n" for text, _ in hostile))
+    got = server.until(
+        lambda got: sum(e["type"] == "error" for e in got) == len(hostile) and "live" in endings(got)
+    )
+    errors = [e for e in got if e["type"] == "error"]
+    assert [e["id"] for e in errors] == [rid for _, rid in hostile]
+    assert all(e["code"] == "invalid_request" and len(e["message"]) < 200 for e in errors), errors
+    [done] = [e for e in got if e["type"] == "done"]
+    assert done["id"] == "live" and len(done["token_ids"]) == 40
+    assert server.stats()["running"] == 0  # still serving
+
+
 def test_shutdown_drains_then_exits_0(server: Server) -> None:
     ids = {"s1", "s2", "s3"}
     server.send(*(generate(rid, prompt=f"drain {rid}", max_tokens=6) for rid in sorted(ids)))
