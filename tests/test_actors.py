@@ -507,3 +507,26 @@ async def test_a_detokenizer_fault_fails_only_its_request(autojump_clock: object
     assert [e.text for e in bad_events if isinstance(e, TokenEvent)] == ["y"]
     assert isinstance(ok_events[-1], DoneEvent) and ok_events[-1].text == "defghi"
     assert isinstance(again, DoneEvent) and again.text == "de"
+
+
+async def test_a_prompt_too_long_to_fit_is_refused_before_encoding(autojump_clock: object) -> None:
+    """Encoding a huge text prompt costs ~160 bytes per character; one that cannot fit in the context
+    (more characters than the longest token's times max_model_len) is refused without encoding."""
+    encoded: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        encoded.append(text)
+        return letters(text)
+
+    device = FakeDevice()
+    parts = dataclasses.replace(make_parts(device), encode=encode, max_token_chars=2)  # 2 * 128 chars
+    async with running(device, parts=parts) as handle:
+        long = submit(handle, "long", "a" * 257, max_tokens=1, prompt_token_ids=None)
+        error = (await events_of(long))[-1]
+        fits = (await events_of(submit(handle, "fits", "abc", max_tokens=2, prompt_token_ids=None)))[-1]
+    assert (
+        isinstance(error, ErrorEvent)
+        and error.code == "context_too_long"
+        and "257 characters" in error.message
+    )
+    assert isinstance(fits, DoneEvent) and fits.text == "de" and encoded == ["abc"]

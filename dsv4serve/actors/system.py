@@ -30,7 +30,7 @@ from dsv4serve.actors.executor import Collect, LaunchFn, run_executor
 from dsv4serve.actors.kv_writer import WriteLocsFn, run_kv_writer
 from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.tokenizer import Client, Clients, run_tokenizer
-from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer
+from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer, max_token_chars
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory import KVAllocator, write_cache_locs_batch
@@ -78,6 +78,7 @@ class Parts:
     decoder: SupportsDecode
     write_locs: WriteLocsFn
     launch: LaunchFn
+    max_token_chars: int | None = None  # the longest token's text (None: no early length check)
 
 
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
@@ -110,6 +111,7 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
         allocator=KVAllocator(runner.model_cfg, runner.engine, runner.sizes),
         encode=partial(encode_prompt, tok),
         decoder=tok,
+        max_token_chars=max_token_chars(tok),
         write_locs=write_locs,
         launch=launch,
     )
@@ -248,6 +250,7 @@ async def run_actors(
                     parts.encode,
                     parts.decoder,
                     max_model_len,
+                    parts.max_token_chars,
                 )
                 nursery.start_soon(run_scheduler, scheduler_inbox, to_allocator, front.clone(), core, gauges)
                 nursery.start_soon(

@@ -117,6 +117,7 @@ class _Tokenizer:
     encode: Encode
     decoder: SupportsDecode
     max_model_len: int
+    max_token_chars: int | None = None  # the longest token's text: longer prompts cannot fit
     outputs: dict[str, _Output] = field(default_factory=dict)
     log: structlog.typing.FilteringBoundLogger = field(
         default_factory=lambda: structlog.get_logger().bind(actor="tokenizer")
@@ -127,6 +128,13 @@ class _Tokenizer:
             stops = StopMatcher(msg.stop)
         except ValueError as exc:  # TokenizerError: its message names `stop`
             await self.fail(msg.rid, "invalid_request", str(exc))
+            return
+        limit = None if self.max_token_chars is None else self.max_token_chars * self.max_model_len
+        if msg.prompt is not None and limit is not None and len(msg.prompt) > limit:  # before encoding it
+            why = f"prompt ({len(msg.prompt)} characters) cannot fit in max_model_len ({self.max_model_len})"
+            await self.fail(
+                msg.rid, "context_too_long", f"{why}: no token is longer than {self.max_token_chars}"
+            )
             return
         try:
             ids = msg.prompt_token_ids
@@ -284,10 +292,11 @@ async def run_tokenizer(
     encode: Encode,
     decoder: SupportsDecode,
     max_model_len: int,
+    max_token_chars: int | None = None,
 ) -> None:
     """The first Drain (from the handle, after every accepted Submit) goes on to the scheduler; the
     second (the scheduler's, after every request's last message) ends the actor."""
-    state = _Tokenizer(scheduler, clients, encode, decoder, max_model_len)
+    state = _Tokenizer(scheduler, clients, encode, decoder, max_model_len, max_token_chars)
     num_drains = 0
     async with inbox, scheduler:
         async for msg in inbox:
