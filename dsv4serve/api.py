@@ -35,6 +35,7 @@ from dsv4serve.params import (
 from dsv4serve.protocol import RequestError, StatsEvent, TokenEvent
 
 T = TypeVar("T")
+QUEUE_POLL_S = 0.05  # a queued `generate` retries at least this often
 
 
 # ---------------------------------------------------------------- engines
@@ -116,6 +117,7 @@ class AsyncEngine(_Configured):
         self._stack: AsyncExitStack | None = None
         self._handle: EngineHandle | None = None
         self._num_requests = 0
+        self._ended = trio.Event()  # set (and replaced) whenever a request of this engine ends
 
     async def __aenter__(self) -> AsyncEngine:
         if self._stack is not None:
@@ -154,20 +156,31 @@ class AsyncEngine(_Configured):
         return self.handle.pool_usage()
 
     async def generate(self, prompts: Prompts, params: Params = None) -> list[Completion]:
-        """Completions of `prompts` in input order; raises RequestError if any request fails."""
+        """Completions of `prompts` in input order; raises RequestError if any request fails.
+
+        A batch larger than the engine's admission bound queues: each prompt is submitted as soon as
+        capacity frees up (never `overloaded`)."""
         handle, items = self.handle, prompt_list(prompts)
-        opened = self._open_all(items, params_list(params, len(items)))
+        per_prompt = params_list(params, len(items))
         results: list[Completion | RequestError | None] = [None] * len(items)
+        opened: list[tuple[str, trio.MemoryReceiveChannel[protocol.Event]]] = []
+        refused: RequestError | None = None
         try:
             async with trio.open_nursery() as nursery:
-                for i, (_, events) in enumerate(opened):
-                    nursery.start_soon(self._collect, events, results, i, nursery.cancel_scope)
+                for i, (prompt, p) in enumerate(zip(items, per_prompt, strict=True)):
+                    try:
+                        opened.append(await self._open_queued(prompt, p))
+                    except RequestError as err:  # refused at submission: the others are cancelled
+                        refused = err
+                        nursery.cancel_scope.cancel()
+                        break
+                    nursery.start_soon(self._collect, opened[-1][1], results, i, nursery.cancel_scope)
         finally:
-            for (rid, events), result in zip(opened, results, strict=True):
+            for (rid, events), result in zip(opened, results, strict=False):
                 events.close()
                 if result is None:  # failed or cancelled meanwhile
                     handle.cancel(rid)
-        for result in results:
+        for result in (refused, *results):
             if isinstance(result, RequestError):
                 raise result
         return results  # type: ignore[return-value]
@@ -185,6 +198,7 @@ class AsyncEngine(_Configured):
                     yield event
                     continue
                 finished = True
+                self._note_end()
                 yield to_completion(event)
                 return
         finally:
@@ -202,18 +216,23 @@ class AsyncEngine(_Configured):
         self.handle.submit(to_submit(rid, prompt, params, stream), send)
         return rid, recv
 
-    def _open_all(
-        self, prompts: list[Prompt], params: list[SamplingParams]
-    ) -> list[tuple[str, trio.MemoryReceiveChannel[protocol.Event]]]:
-        opened: list[tuple[str, trio.MemoryReceiveChannel[protocol.Event]]] = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                opened.append(self._open(prompt, p, stream=False))
-        except BaseException:
-            for rid, _ in opened:
-                self.handle.cancel(rid)
-            raise
-        return opened
+    async def _open_queued(
+        self, prompt: Prompt, params: SamplingParams
+    ) -> tuple[str, trio.MemoryReceiveChannel[protocol.Event]]:
+        """`_open`, waiting while the engine is full: until one of this engine's requests ends, or a
+        short poll (capacity may also free up from requests nobody here watches any more)."""
+        while True:
+            try:
+                return self._open(prompt, params, stream=False)
+            except RequestError as err:
+                if err.code != "overloaded":
+                    raise
+            with trio.move_on_after(QUEUE_POLL_S):
+                await self._ended.wait()
+
+    def _note_end(self) -> None:
+        self._ended.set()
+        self._ended = trio.Event()
 
     async def _collect(
         self,
@@ -225,6 +244,7 @@ class AsyncEngine(_Configured):
         async for event in events:
             if isinstance(event, TokenEvent):
                 continue
+            self._note_end()
             try:
                 results[index] = to_completion(event)
             except RequestError as err:

@@ -1,6 +1,7 @@
 """Command line: `python -m dsv4serve <command> ...`.
 
-Usage errors and bad configs print one line to stderr and exit with status 2.
+Usage errors, bad configs, devices, checkpoints and requests print one line to stderr and exit with
+status 2; Ctrl-C outside a serving loop exits 130.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from dsv4serve.logs import configure as configure_logs
 from dsv4serve.memory.sizing import WEIGHT_FORMATS, plan
 from dsv4serve.memory.sizing_table import render_plan
 from dsv4serve.params import SamplingParams
+from dsv4serve.protocol import RequestError
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 
 class UsageError(Exception):
@@ -60,23 +63,29 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     try:
         return COMMANDS[args.command].run(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a signal-handling loop (e.g. while torch imports)
+        print(f"dsv4serve {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (Exception, BaseExceptionGroup) as exc:  # re-raised unless it is a user error
         user_error = _user_error(exc)
         if user_error is None:
             raise
         print(f"dsv4serve {args.command}: error: {user_error}".replace("\n", " "), file=sys.stderr)
-        return EXIT_USAGE if isinstance(user_error, ConfigError) else 1
+        return EXIT_USAGE
 
 
 def _user_error(exc: BaseException) -> BaseException | None:
-    """A bad model directory, config, checkpoint or tokenizer (possibly inside a one-exception group
-    from trio): reported as one line. Anything else is a bug and keeps its traceback."""
+    """A bad model directory, config, device, checkpoint, tokenizer or request (a prompt too long for
+    the context), possibly inside exception groups from trio: reported as one line. Anything
+    else is a bug and keeps its traceback."""
     from dsv4serve.actors.tokenizer_core import TokenizerError
     from dsv4serve.models.weights import CheckpointError
 
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    user = (ConfigError, CheckpointError, TokenizerError, FileNotFoundError, NotImplementedError)
+    if isinstance(exc, BaseExceptionGroup):  # from trio; several prompts may fail alike (demo)
+        parts = [_user_error(e) for e in exc.exceptions]
+        return parts[0] if all(p is not None for p in parts) else None
+    user: tuple[type[Exception], ...] = (ConfigError, CheckpointError, TokenizerError, RequestError)
+    user += (FileNotFoundError, NotImplementedError)
     return exc if isinstance(exc, user) else None
 
 
@@ -84,8 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dsv4serve", description="DeepSeek-V4 serving microkernel")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
-        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+        parser_of = sub.add_parser(
+            name, help=command.help, description=command.help, formatter_class=_DefaultsFormatter
+        )
+        command.add_arguments(parser_of)
     return parser
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every option's default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.nargs == 0 or action.default in (None, [], argparse.SUPPRESS) or "%(default)" in text:
+            return text  # flags, and options whose default the help text explains
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)".strip()
+        return text
 
 
 def _fail(message: str) -> int:
@@ -195,7 +219,9 @@ def _engine_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or npu")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: float32 on cpu, else bf16")
     p.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs, help="most running")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens)
+    p.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens, help="step budget"
+    )
     p.add_argument("--max-total-tokens", type=_positive_int, default=d.max_total_tokens, help="KV capacity")
     p.add_argument("--page-size", type=_positive_int, default=d.page_size, help="tokens per page")
     p.add_argument("--state-mode", choices=STATE_MODES, default=d.state_mode, help="compressor state layout")
@@ -238,12 +264,19 @@ def _load_model_config(model_dir: Path) -> None:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    door = p.add_mutually_exclusive_group(required=True)
-    door.add_argument("--stdio", action="store_true", help="JSON lines on stdin / stdout")
+    door = p.add_mutually_exclusive_group()
+    door.add_argument("--stdio", action="store_true", help="JSON lines on stdin / stdout (the default)")
     door.add_argument("--http", action="store_true", help="an OpenAI-compatible HTTP server")
-    p.add_argument("--host", default="127.0.0.1", help="--http: the address to listen on (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="--http: the port (8000; 0 = any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="--http: the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="--http: the port (0 = any free one)")
     p.add_argument("--served-model-name", default=None, help="--http: the model name (the directory's name)")
+    p.add_argument(
+        "--drain-grace-s",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="--stdio: after SIGTERM / SIGINT, how long accepted requests may take to finish",
+    )
     _engine_arguments(p)
     p.set_defaults(log_level="info")
 
@@ -261,7 +294,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
         http = HttpOptions(host=args.host, port=args.port, model_name=args.served_model_name)
         return run_http(options, http)
-    return stdio.run(options)
+    return stdio.run(options, args.drain_grace_s)
 
 
 # ---------------------------------------------------------------------------------------- generate
@@ -271,7 +304,7 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text (BOS is prepended)")
     p.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)")
     _engine_arguments(p)
@@ -354,7 +387,9 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
             "write a W8A8 int8 checkpoint of a float or official one", _quantize_arguments, _run_quantize
         ),
         "serve": Command(
-            "serve JSON lines on stdin (--stdio) or OpenAI HTTP (--http)", _serve_arguments, _run_serve
+            "serve JSON lines on stdin (--stdio, the default) or OpenAI HTTP (--http)",
+            _serve_arguments,
+            _run_serve,
         ),
         "generate": Command("print the completion of one prompt", _generate_arguments, _run_generate),
         "demo": Command("stream a few prompts through a tiny checkpoint", _demo_arguments, _run_demo),

@@ -137,7 +137,7 @@ class ModelConfig:
         rope = _rope_fields(raw, head_dim)
         eos = raw.get("eos_token_id", 1)
         eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
-        if not all(isinstance(e, int) for e in eos_ids):
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
             raise ConfigError(f"eos_token_id: expected an int or a list of ints, got {eos!r}")
         cfg = cls(
             vocab_size=_int(raw, "vocab_size"),
@@ -180,14 +180,21 @@ class ModelConfig:
         return cfg
 
     def validate(self) -> None:
+        """Every field in range, so nothing downstream meets a value it cannot serve."""
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"{_KEYS.get(f.name, f.name)}: expected a non-negative int, got {value!r}")
-        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "n_routed_experts")
-        for name in (*positive, "o_groups"):
+            if f.type == "float" and not (isinstance(value, float) and math.isfinite(value) and value > 0):
+                raise ConfigError(
+                    f"{_KEYS.get(f.name, f.name)}: expected a positive finite number, got {value!r}"
+                )
+        for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_KEYS.get(name, name)}: must be positive, got {getattr(self, name)}")
+        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", self.eos_token_ids)):
+            if not ids or not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids):
+                raise ConfigError(f"{name}: expected token ids in [0, vocab_size), got {list(ids)}")
         if self.rope_head_dim % 2 or not 0 < self.rope_head_dim <= self.head_dim:
             raise ConfigError(f"qk_rope_head_dim: {self.rope_head_dim} must be even and <= head_dim")
         if (self.num_heads * self.head_dim) % self.o_groups:
@@ -200,6 +207,26 @@ class ModelConfig:
             raise ConfigError(f"sliding_window: must be >= 1, got {self.sliding_window}")
 
 
+_POSITIVE = (  # int fields that must be >= 1 (the rest may be 0)
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "head_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+)
 _KEYS = {
     "num_layers": "num_hidden_layers",
     "num_heads": "num_attention_heads",
@@ -233,13 +260,16 @@ def _compress_ratios(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
             raise ConfigError(f"compress_rates: expected an object, got {given!r}")
         rates = {**{k: v for k, v in LAYER_TYPE_TO_RATIO.items() if v}, **given}
         rates["sliding_attention"] = 0
-        try:
-            ratios = [int(rates[t]) for t in types]
-        except (KeyError, TypeError) as exc:
-            raise ConfigError(f"layer_types: unknown layer type {exc}") from exc
+        if not isinstance(types, list) or not all(isinstance(t, str) and t in rates for t in types):
+            raise ConfigError(f"layer_types: expected a list of known layer types, got {types!r}")
+        ratios = [rates[t] for t in types]
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in ratios):
+            raise ConfigError(f"compress_rates: expected an int per layer type, got {given!r}")
     elif "compress_ratios" in raw:
         ratios, key = raw["compress_ratios"], "compress_ratios"
-        if not isinstance(ratios, list) or not all(isinstance(r, int) for r in ratios):
+        if not isinstance(ratios, list) or not all(
+            isinstance(r, int) and not isinstance(r, bool) for r in ratios
+        ):
             raise ConfigError(f"compress_ratios: expected a list of ints, got {ratios!r}")
         ratios = [0 if r == 1 else r for r in ratios]  # some checkpoints spell "no compressor" as 1
     else:
@@ -298,20 +328,22 @@ def _rope_fields(raw: dict[str, Any], head_dim: int) -> dict[str, Any]:
     if "qk_rope_head_dim" in raw:
         rope_head_dim = _int(raw, "qk_rope_head_dim")
     elif factor_src is not None:
-        rope_head_dim = int(head_dim * float(factor_src))
+        factor = _float({"partial_rotary_factor": factor_src}, "partial_rotary_factor")
+        rope_head_dim = int(head_dim * factor) if math.isfinite(factor) else -1
     else:
         rope_head_dim = 64
     attention_factor = yarn.get("attention_factor", 1.0)
     if yarn and attention_factor not in (None, 1.0):
         raise ConfigError(f"rope_parameters.attention_factor: DeepSeek-V4 uses 1.0, got {attention_factor}")
+    yarn = {k: v for k, v in yarn.items() if v is not None}  # a null means the default
     return {
         "rope_head_dim": rope_head_dim,
         "rope_theta": rope_theta,
         "compress_rope_theta": compress_theta,
-        "rope_factor": float(yarn.get("factor", 1.0)) if yarn else 1.0,
-        "original_max_position_embeddings": int(yarn.get("original_max_position_embeddings", 65536)),
-        "beta_fast": float(yarn.get("beta_fast") or 32),
-        "beta_slow": float(yarn.get("beta_slow") or 1),
+        "rope_factor": _float(yarn, "factor", 1.0),
+        "original_max_position_embeddings": _int(yarn, "original_max_position_embeddings", 65536),
+        "beta_fast": _float(yarn, "beta_fast", 32.0),
+        "beta_slow": _float(yarn, "beta_slow", 1.0),
     }
 
 

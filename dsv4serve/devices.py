@@ -7,7 +7,11 @@ allocator keeps a block until its copy has run) and copied asynchronously, in st
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+
+from dsv4serve.config import ConfigError
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -15,3 +19,19 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def check_device(device: str) -> None:
+    """Raise ConfigError naming `device` unless this machine has it (before any weight is loaded)."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device: {device!r}, but torch sees no CUDA device on this machine")
+        if index and not (index.isdigit() and int(index) < count):
+            raise ConfigError(f"device: {device!r}, but this machine has CUDA devices 0..{count - 1}")
+    elif kind == "npu":
+        if importlib.util.find_spec("torch_npu") is None:
+            raise ConfigError(f"device: {device!r} needs torch_npu (pip install 'dsv4serve[npu]')")
+    elif device != "cpu":
+        raise ConfigError(f"device: {device!r} is not cpu, cuda, cuda:N or npu")

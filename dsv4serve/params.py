@@ -43,10 +43,15 @@ class SamplingParams:
         _check("seed", self.seed is None or _is_int(self.seed), "an int or None", self.seed)
         _check("logprobs", isinstance(self.logprobs, bool), "a bool", self.logprobs)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        ok = _is_list(stop) and all(isinstance(s, str) and s for s in stop)
-        _check("stop", ok, "a list of non-empty strings", self.stop)
+        ok = _is_list(stop) and all(
+            isinstance(s, str) and 0 < len(s) <= protocol.MAX_STOP_CHARS for s in stop
+        )
+        ok = ok and len(stop) <= protocol.MAX_STOP_STRINGS
+        stops = f"at most {protocol.MAX_STOP_STRINGS} non-empty strings of <= {protocol.MAX_STOP_CHARS} chars"
+        _check("stop", ok, stops, self.stop)
         ids = self.stop_token_ids
-        _check("stop_token_ids", _is_token_ids(ids, empty_ok=True), "a list of token ids (ints >= 0)", ids)
+        ok = _is_token_ids(ids, empty_ok=True) and len(ids) <= protocol.MAX_STOP_TOKEN_IDS
+        _check("stop_token_ids", ok, f"at most {protocol.MAX_STOP_TOKEN_IDS} token ids (ints >= 0)", ids)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 
@@ -68,7 +73,12 @@ class Completion:
 
 def _check(name: str, ok: bool, expected: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+        raise ValueError(f"{name}: expected {expected}, got {_short(value)}")
+
+
+def _short(value: object, limit: int = 60) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -7,6 +7,8 @@ process boundary.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from array import array
 from typing import Annotated, Literal, TypeAlias, get_args
@@ -70,8 +72,18 @@ ErrorCode: TypeAlias = Literal[
     "invalid_request", "duplicate_id", "context_too_long", "overloaded", "internal", "unknown_id"
 ]
 FinishReason: TypeAlias = Literal["stop", "length", "cancelled"]
-RequestId = Annotated[str, msgspec.Meta(min_length=1)]
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
+# Limits on one request (the stdio line itself is bounded in `stdio.MAX_LINE_BYTES`); every cost of a
+# request is linear in its size, and these bound the parts that would otherwise cost per token.
+MAX_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_INT = 2**63 - 1  # integer fields; a top_k at or above the vocabulary size means "off"
+MIN_SEED, MAX_SEED = -(2**63), MAX_INT
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
@@ -84,13 +96,13 @@ class Generate(_Request, frozen=True, tag="generate"):
     id: RequestId
     prompt: str | None = None
     prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0  # JSON numbers are finite (1e400 is refused)
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0 = no top-k
-    seed: int | None = None
-    stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
-    stop_token_ids: list[TokenId] = []
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)] = 0  # 0 = no top-k
+    seed: Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)] | None = None
+    stop: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = []
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     stream: bool = False
     logprobs: bool = False
 
@@ -201,8 +213,8 @@ def decode_request(line: bytes | str) -> Request:
     """Decode one stdio line; raises `RequestError("invalid_request", ...)` for anything malformed."""
     try:
         return _REQUEST_DECODER.decode(line)
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeEncodeError) as err:
-        raise _diagnose(line, err) from err
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeEncodeError, RecursionError) as err:
+        raise _diagnose(line, err) from None
 
 
 def encode_event(event: Event) -> bytes:
@@ -214,6 +226,48 @@ def decode_event(line: bytes | str) -> Event:
     return _EVENT_DECODER.decode(line)
 
 
+def check_text(name: str, text: str) -> None:
+    """Raise ValueError naming `name` if `text` is not valid Unicode (a lone surrogate)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = text[exc.start]
+        raise ValueError(
+            f"{name}: not valid Unicode text (lone surrogate {char!r} at index {exc.start})"
+        ) from None
+
+
+def check_submit(req: Submit, vocab_size: int) -> None:
+    """The checks every front door's requests pass before the engine accepts them (RequestError)."""
+
+    def bad(message: str) -> RequestError:
+        return RequestError("invalid_request", message, req.rid if _is_id(req.rid) else None)
+
+    if not _is_id(req.rid):
+        raise bad(f"id: must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    if (req.prompt is None) == (req.prompt_token_ids is None):
+        raise bad("prompt: give exactly one of prompt / prompt_token_ids")
+    if req.prompt_token_ids is not None:
+        ids = req.prompt_token_ids
+        if not ids:
+            raise bad("prompt_token_ids: must not be empty")
+        if min(ids) < 0 or max(ids) >= vocab_size:  # C-speed scans; the index only on the slow path
+            i, tid = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+            raise bad(f"prompt_token_ids[{i}]: {tid} is outside the vocabulary [0, {vocab_size})")
+    if req.max_tokens < 1:
+        raise bad(f"max_tokens: must be >= 1, got {req.max_tokens}")
+    if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in req.stop):
+        raise bad(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
+
+
+def _is_id(rid: object) -> bool:
+    return isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS
+
+
 # ---------------------------------------------------------------- request diagnostics (slow path only)
 
 _AT_PATH = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
@@ -221,9 +275,13 @@ _MISSING_FIELD = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$"
 _UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
 _PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 _ABSENT = object()
+_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])  # each field's value left undecoded
+TOO_DEEP = "request: JSON nested too deeply"
 
 
 def _diagnose(line: bytes | str, err: Exception) -> RequestError:
+    """Explain why `line` is not a request. Fields are decoded one at a time, so a value that cannot
+    be decoded (a number out of range) still leaves the id readable."""
     data = line.encode("utf-8", errors="surrogatepass") if isinstance(line, str) else line
     try:
         data.decode("utf-8")
@@ -232,38 +290,92 @@ def _diagnose(line: bytes | str, err: Exception) -> RequestError:
         reason = f"request is not valid UTF-8 ({exc.reason} at byte {exc.start})"
         return RequestError("invalid_request", reason, rid)
     try:
-        obj = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        return RequestError("invalid_request", f"invalid JSON: {exc}")
-    if not isinstance(obj, dict):
+        fields = _TOP_LEVEL.decode(data)
+    except RecursionError:
+        return RequestError("invalid_request", TOO_DEEP)
+    except msgspec.ValidationError:
         return RequestError("invalid_request", "request must be a JSON object")
-    rid = obj["id"] if isinstance(obj.get("id"), str) and obj["id"] else None
-    return RequestError("invalid_request", _explain(obj, err), rid)
+    except msgspec.DecodeError as exc:
+        return _nonstandard(data, exc)
+    return RequestError("invalid_request", _explain(fields, err), _id_of(fields))
+
+
+def _id_of(fields: dict[str, msgspec.Raw]) -> str | None:
+    rid = _loads(fields["id"]) if "id" in fields else None
+    return rid if isinstance(rid, str) and _is_id(rid) else None
+
+
+def _loads(raw: msgspec.Raw) -> object:
+    """One field's value, or _ABSENT when it cannot be decoded (a number out of range, deep nesting)."""
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return _ABSENT
 
 
 def _recover_id(text: str) -> str | None:
     try:
-        obj = msgspec.json.decode(text)
-    except msgspec.DecodeError:
+        fields = _TOP_LEVEL.decode(text)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, str) and rid else None
+    return _id_of(fields)
 
 
-def _explain(obj: dict[str, object], err: Exception) -> str:
+def _nonstandard(data: bytes, exc: msgspec.DecodeError) -> RequestError:
+    """JSON that msgspec refuses but Python's json reads (NaN, Infinity, lone surrogate escapes): name
+    the field that holds it, and keep the id."""
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        return RequestError("invalid_request", TOO_DEEP)
+    except ValueError:
+        return RequestError("invalid_request", f"invalid JSON: {exc}")
+    if not isinstance(obj, dict):
+        return RequestError("invalid_request", "request must be a JSON object")
+    rid = obj.get("id")
+    rid = rid if isinstance(rid, str) and _is_id(rid) and _is_text(rid) else None
+    for name, value in obj.items():
+        if (why := _nonstandard_value(value)) is not None:
+            return RequestError("invalid_request", f"{name}: {why}", rid)
+    return RequestError("invalid_request", f"invalid JSON: {exc}", rid)
+
+
+def _nonstandard_value(value: object, depth: int = 0) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"expected a finite number, got {value}"
+    if isinstance(value, str) and not _is_text(value):
+        return "not valid Unicode text (a lone surrogate)"
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    if depth > 64:
+        return None
+    return next((w for v in children if (w := _nonstandard_value(v, depth + 1)) is not None), None)
+
+
+def _is_text(text: str) -> bool:
+    try:
+        check_text("text", text)
+    except ValueError:
+        return False
+    return True
+
+
+def _explain(fields: dict[str, msgspec.Raw], err: Exception) -> str:
     """Turn msgspec's "<reason> - at `$.path`" into "path: <reason>, got <value>"."""
-    if "type" not in obj:
+    if isinstance(err, RecursionError):
+        return TOO_DEEP
+    if "type" not in fields:
         return "type: required"
-    if obj["type"] not in REQUEST_TYPES:
-        return f"type: unknown request type {obj['type']!r}"
+    kind = _loads(fields["type"])
+    if kind not in REQUEST_TYPES:
+        return f"type: unknown request type {kind!r}" if kind is not _ABSENT else "type: unknown request type"
     found = _AT_PATH.match(str(err))
     reason, path = (found["msg"], found["path"]) if found else (str(err), "")
     if named := _MISSING_FIELD.match(reason) or _UNKNOWN_FIELD.match(reason):
-        what = "required" if named.re is _MISSING_FIELD else f"unknown field of a {obj['type']!r} request"
+        what = "required" if named.re is _MISSING_FIELD else f"unknown field of a {kind!r} request"
         return f"{_join(path, named['name'])}: {what}"
     if not path:
         return reason
-    value = _value_at(obj, path)
+    value = _value_at(fields, path)
     if value is not _ABSENT and "got" not in reason:
         reason = f"{reason}, got {_show(value)}"
     return f"{path.removeprefix('.')}: {reason}"
@@ -273,8 +385,15 @@ def _join(path: str, name: str) -> str:
     return f"{path.removeprefix('.')}.{name}" if path else name
 
 
-def _value_at(obj: object, path: str) -> object:
-    for key, index in _PATH_PART.findall(path):
+def _value_at(fields: dict[str, msgspec.Raw], path: str) -> object:
+    parts = _PATH_PART.findall(path)
+    if not parts or not parts[0][0] or parts[0][0] not in fields:
+        return _ABSENT
+    raw = fields[parts[0][0]]
+    obj = _loads(raw)
+    if obj is _ABSENT:  # the value itself cannot be decoded: show its text
+        return _Verbatim(bytes(raw).decode("utf-8", errors="replace")) if len(parts) == 1 else _ABSENT
+    for key, index in parts[1:]:
         if key and isinstance(obj, dict) and key in obj:
             obj = obj[key]
         elif index and isinstance(obj, list) and int(index) < len(obj):
@@ -284,8 +403,12 @@ def _value_at(obj: object, path: str) -> object:
     return obj
 
 
+class _Verbatim(str):
+    """A value shown as its JSON text."""
+
+
 def _show(value: object, limit: int = 40) -> str:
-    shown = msgspec.json.encode(value).decode()
+    shown = str(value) if isinstance(value, _Verbatim) else msgspec.json.encode(value).decode()
     return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
@@ -493,6 +616,7 @@ class TablesReady(_Msg, frozen=True, tag="tables_ready"):
     step: int
     plan: StepPlan
     pool_used: dict[str, int] = {}
+    error: str | None = None  # the tables could not be written: the step fails instead of running
 
 
 ExecutorMsg: TypeAlias = TablesReady | Drain

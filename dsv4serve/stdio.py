@@ -4,13 +4,18 @@ Stdout carries protocol lines only: `run` moves the process's fd 1 onto stderr b
 else can print, and writes events to a private duplicate of the original stdout. One writer task
 owns that stream, so lines never interleave. Every bad line gets exactly one `error` event; every
 accepted request ends with exactly one `done` or `error` (the system's promise). At EOF or on a
-`shutdown` request the server stops reading, finishes what it accepted, and returns.
+`shutdown` request the server stops reading, finishes what it accepted, and returns. SIGTERM and
+SIGINT do the same, but give the drain `DRAIN_GRACE_S` (then, or at a second signal, every request
+still live ends with an `internal` error). A client that closes stdout gets its requests cancelled.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TypeAlias, assert_never
 
 import structlog
@@ -24,16 +29,20 @@ MAX_LINE_BYTES = 64 << 20  # one request line (a long prompt_token_ids list fits
 EVENT_BUFFER = 4096  # events waiting for the writer; beyond it the producers wait (stdout pushes back)
 MAX_WRITE_BATCH = 256  # events joined into one write
 CRASH_FLUSH_S = 5.0  # after an engine crash, how long the writer may take to flush its errors
+DRAIN_GRACE_S = 30.0  # after SIGTERM / SIGINT, how long accepted requests may take to finish
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_STATUS = {signal.SIGTERM: 0, signal.SIGINT: 130}  # after a signal's drain (128 + 2: shells' Ctrl-C)
 
 EventSink: TypeAlias = trio.MemorySendChannel[Event]
 Log: TypeAlias = structlog.typing.FilteringBoundLogger
+Signals: TypeAlias = AsyncIterator[int]
 
 
-def run(options: SystemOptions) -> int:
-    """The `serve --stdio` process body: exit status 0 after EOF or `shutdown`."""
+def run(options: SystemOptions, drain_grace_s: float = DRAIN_GRACE_S) -> int:
+    """The `serve --stdio` process body: its exit status (0 after EOF, `shutdown` or SIGTERM; 130
+    after SIGINT)."""
     out_fd = take_stdout()
-    trio.run(_main, options, out_fd)
-    return 0
+    return trio.run(_main, options, out_fd, drain_grace_s)
 
 
 def take_stdout() -> int:
@@ -44,40 +53,89 @@ def take_stdout() -> int:
     return out_fd
 
 
-async def _main(options: SystemOptions, out_fd: int) -> None:
-    stdin = trio.lowlevel.FdStream(os.dup(0))
-    stdout = trio.lowlevel.FdStream(out_fd)
-    async with stdin, stdout:
-        await serve(options, stdin, stdout)
+async def _main(options: SystemOptions, out_fd: int, drain_grace_s: float) -> int:
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:  # from here on, no KeyboardInterrupt
+        stdin = trio.lowlevel.FdStream(os.dup(0))
+        stdout = trio.lowlevel.FdStream(out_fd)
+        async with stdin, stdout:
+            return await serve(options, stdin, stdout, signals, drain_grace_s)
 
 
-async def serve(options: SystemOptions, stdin: trio.abc.ReceiveStream, stdout: trio.abc.SendStream) -> None:
-    """Serve requests from `stdin` until EOF or `shutdown`, then drain and return."""
+@dataclass
+class _Stop:
+    """How serving ends: the signal that asked (if any), and the scopes a signal cancels."""
+
+    reading: trio.CancelScope = field(default_factory=trio.CancelScope)
+    draining: trio.CancelScope = field(default_factory=trio.CancelScope)
+    signum: int | None = None
+
+
+async def serve(
+    options: SystemOptions,
+    stdin: trio.abc.ReceiveStream,
+    stdout: trio.abc.SendStream,
+    signals: Signals | None = None,
+    drain_grace_s: float = DRAIN_GRACE_S,
+) -> int:
+    """Serve requests from `stdin` until EOF, `shutdown` or a stop signal, then drain; the exit status."""
     log: Log = structlog.get_logger().bind(actor="stdio")  # bound after logs.configure, not at import
     send, recv = trio.open_memory_channel[Event](EVENT_BUFFER)
     failure: Exception | None = None
+    stop, engine = _Stop(), trio.CancelScope()
     async with trio.open_nursery() as writer:
-        writer.start_soon(write_events, recv, stdout)
+        writer.start_soon(write_events, recv, stdout, engine, log)
         async with send:
             try:
-                await serve_engine(options, stdin, send, log)
+                with engine:
+                    await serve_engine(options, stdin, send, log, stop, signals, drain_grace_s)
             except Exception as exc:  # a crash: the writer still flushes the errors the engine queued
                 failure = exc
                 writer.cancel_scope.deadline = trio.current_time() + CRASH_FLUSH_S
     if failure is not None:
         raise failure
-    log.info("stopped")
+    log.info("stopped", signal=None if stop.signum is None else signal.Signals(stop.signum).name)
+    return 0 if stop.signum is None else EXIT_STATUS[signal.Signals(stop.signum)]
 
 
 async def serve_engine(
-    options: SystemOptions, stdin: trio.abc.ReceiveStream, events: EventSink, log: Log
+    options: SystemOptions,
+    stdin: trio.abc.ReceiveStream,
+    events: EventSink,
+    log: Log,
+    stop: _Stop,
+    signals: Signals | None = None,
+    drain_grace_s: float = DRAIN_GRACE_S,
 ) -> None:
     async with trio.open_nursery() as nursery:
         handle: EngineHandle = await nursery.start(run_system, options)
         log.info("ready", model=str(options.model_dir))
-        await read_requests(LineReader(stdin), handle, events, log)
+        watching = trio.CancelScope()
+        if signals is not None:
+            nursery.start_soon(_watch_signals, signals, stop, drain_grace_s, log, watching)
+        with stop.reading:
+            await read_requests(LineReader(stdin), handle, events, log)
         log.info("draining")
-        await handle.drain()
+        with stop.draining:
+            await handle.drain()
+        if stop.draining.cancelled_caught:  # the grace period ran out, or a second signal came
+            log.warning("drain_cut_short")
+            handle.shutdown()  # every request still live ends with an `internal` error
+        watching.cancel()
+
+
+async def _watch_signals(
+    signals: Signals, stop: _Stop, grace_s: float, log: Log, watching: trio.CancelScope
+) -> None:
+    """The first stop signal stops reading and gives the drain `grace_s`; a second one ends it now."""
+    with watching:
+        async for signum in signals:
+            log.info("signal", signal=signal.Signals(signum).name)
+            if stop.signum is None:
+                stop.signum = signum
+                stop.reading.cancel()
+                stop.draining.deadline = trio.current_time() + grace_s
+            else:
+                stop.draining.cancel()
 
 
 async def read_requests(lines: LineReader, handle: EngineHandle, events: EventSink, log: Log) -> None:
@@ -123,8 +181,13 @@ async def answer(
     return True
 
 
-async def write_events(events: trio.MemoryReceiveChannel[Event], out: trio.abc.SendStream) -> None:
-    """The only writer of `out`: one JSON line per event, whatever is waiting joined into one write."""
+async def write_events(
+    events: trio.MemoryReceiveChannel[Event], out: trio.abc.SendStream, engine: trio.CancelScope, log: Log
+) -> None:
+    """The only writer of `out`: one JSON line per event, whatever is waiting joined into one write.
+
+    If the client closes its end of stdout, nobody can hear the answers: the engine is stopped
+    (`engine` cancelled), which cancels every live request, and the server exits quietly."""
     async with events:
         async for event in events:
             batch = [protocol.encode_event(event)]
@@ -133,7 +196,12 @@ async def write_events(events: trio.MemoryReceiveChannel[Event], out: trio.abc.S
                     batch.append(protocol.encode_event(events.receive_nowait()))
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-            await out.send_all(b"".join(batch))
+            try:
+                await out.send_all(b"".join(batch))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                log.info("stdout_closed")
+                engine.cancel()
+                return
 
 
 class LineReader:

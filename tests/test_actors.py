@@ -3,6 +3,7 @@ failure containment, cancel, stop strings, admission errors, preemption, log lin
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -117,12 +118,13 @@ def make_parts(device: FakeDevice, engine: EngineConfig = ENGINE) -> Parts:
 
 @asynccontextmanager
 async def running(
-    device: FakeDevice, engine: EngineConfig = ENGINE, **options: int
+    device: FakeDevice, engine: EngineConfig = ENGINE, parts: Parts | None = None, **options: int
 ) -> AsyncIterator[EngineHandle]:
     """A system on the fake device; drained (every request finished) when the block ends."""
     async with trio.open_nursery() as nursery:
         opts = SystemOptions(Path("unused"), engine, **options)
-        handle: EngineHandle = await nursery.start(run_actors, make_parts(device, engine), opts)
+        parts = parts or make_parts(device, engine)
+        handle: EngineHandle = await nursery.start(run_actors, parts, opts)
         yield handle
         with trio.fail_after(60):
             await handle.drain()
@@ -427,3 +429,104 @@ async def test_canonical_log_lines(autojump_clock: object) -> None:
     (req,) = [line for line in lines if line["event"] == "request"]
     assert req["rid"] == "r" and req["completion_tokens"] == 3 and req["finish_reason"] == "length"
     assert {"ttft_ms", "prompt_tokens", "preemptions"} <= set(req)
+
+
+# ---------------------------------------------------------------- faults contained per request (issue 9)
+
+
+async def test_a_kv_write_fault_fails_only_its_steps_requests(autojump_clock: object) -> None:
+    device, failed_rids = FakeDevice(), set[str]()
+
+    async def write_locs(locs: Sequence[CacheLocs]) -> None:
+        if not failed_rids and any(loc.rid == "bad" for loc in locs):  # once
+            failed_rids.update(loc.rid for loc in locs)
+            raise RuntimeError("table store failed")
+
+    parts = dataclasses.replace(make_parts(device), write_locs=write_locs)
+    async with running(device, parts=parts) as handle:
+        chans = {rid: submit(handle, rid, max_tokens=4) for rid in ("a", "bad", "b")}
+        ends = {rid: (await events_of(recv))[-1] for rid, recv in chans.items()}
+        later = (await events_of(submit(handle, "later", max_tokens=4)))[-1]
+        await trio.testing.wait_all_tasks_blocked()
+        assert_free(handle)
+    assert "bad" in failed_rids
+    for rid, end in ends.items():
+        if rid in failed_rids:
+            assert (
+                isinstance(end, ErrorEvent) and end.code == "internal" and "table store failed" in end.message
+            )
+        else:
+            assert isinstance(end, DoneEvent) and end.text == "defg"
+    assert isinstance(later, DoneEvent) and later.text == "defg"
+
+
+async def test_an_encode_fault_fails_only_its_request(autojump_clock: object) -> None:
+    def encode(text: str) -> list[int]:
+        if text == "boom":
+            raise RuntimeError("tokenizer panicked")
+        return letters(text)
+
+    device = FakeDevice()
+    parts = dataclasses.replace(make_parts(device), encode=encode)
+    async with running(device, parts=parts) as handle:
+        bad = submit(handle, "bad", "boom", max_tokens=4, prompt_token_ids=None)  # a text prompt
+        error = (await events_of(bad))[-1]
+        ok = (await events_of(submit(handle, "ok", max_tokens=4)))[-1]
+        again = (await events_of(submit(handle, "bad", max_tokens=4)))[-1]  # the id is free again
+    assert (
+        isinstance(error, ErrorEvent) and error.code == "internal" and "tokenizer panicked" in error.message
+    )
+    assert isinstance(ok, DoneEvent) and ok.text == "defg"
+    assert isinstance(again, DoneEvent) and again.text == "defg"
+
+
+class FaultyDecoder(FakeDecoder):
+    """Raises on the letter z: a request whose output reaches it hits a detokenizer fault."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if letters("z")[0] in token_ids:
+            raise RuntimeError("decoder fault")
+        return super().decode(token_ids, skip_special_tokens)
+
+
+async def test_a_detokenizer_fault_fails_only_its_request(autojump_clock: object) -> None:
+    device = FakeDevice()
+    parts = dataclasses.replace(make_parts(device), decoder=FaultyDecoder())
+    async with running(device, parts=parts) as handle:
+        bad = submit(handle, "bad", "vwx", max_tokens=20, stream=True)  # y, then z: the fault
+        ok = submit(handle, "ok", "abc", max_tokens=6, stream=True)
+        bad_events, ok_events = await events_of(bad), await events_of(ok)
+        with trio.fail_after(10):  # the scheduler cancels the failed request and frees its memory
+            while handle.stats().running or handle.stats().waiting:
+                await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
+        assert_free(handle)
+        again = (await events_of(submit(handle, "bad", "abc", max_tokens=2)))[-1]
+    error = bad_events[-1]
+    assert isinstance(error, ErrorEvent) and error.code == "internal" and "decoder fault" in error.message
+    assert [e.text for e in bad_events if isinstance(e, TokenEvent)] == ["y"]
+    assert isinstance(ok_events[-1], DoneEvent) and ok_events[-1].text == "defghi"
+    assert isinstance(again, DoneEvent) and again.text == "de"
+
+
+async def test_a_prompt_too_long_to_fit_is_refused_before_encoding(autojump_clock: object) -> None:
+    """Encoding a huge text prompt costs ~160 bytes per character; one that cannot fit in the context
+    (more characters than the longest token's times max_model_len) is refused without encoding."""
+    encoded: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        encoded.append(text)
+        return letters(text)
+
+    device = FakeDevice()
+    parts = dataclasses.replace(make_parts(device), encode=encode, max_token_chars=2)  # 2 * 128 chars
+    async with running(device, parts=parts) as handle:
+        long = submit(handle, "long", "a" * 257, max_tokens=1, prompt_token_ids=None)
+        error = (await events_of(long))[-1]
+        fits = (await events_of(submit(handle, "fits", "abc", max_tokens=2, prompt_token_ids=None)))[-1]
+    assert (
+        isinstance(error, ErrorEvent)
+        and error.code == "context_too_long"
+        and "257 characters" in error.message
+    )
+    assert isinstance(fits, DoneEvent) and fits.text == "de" and encoded == ["abc"]

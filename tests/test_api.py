@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import structlog
 import trio
 
 from dsv4serve import AsyncEngine, Completion, Engine, RequestError, SamplingParams, TokenEvent
-from dsv4serve.actors.tokenizer_core import encode_prompt, load_tokenizer
+from dsv4serve.actors.tokenizer_core import TokenizerError, encode_prompt, load_tokenizer
 from dsv4serve.config import EngineConfig
 
 SMALL: dict[str, Any] = {"max_total_tokens": 512, "page_size": 16, "max_num_seqs": 8}
@@ -163,6 +164,22 @@ def test_failed_requests_raise_and_free_their_batch(engine: Engine) -> None:
     assert engine.generate(["still", "serving"], greedy(2))[1].finish_reason == "length"
 
 
+def test_generate_queues_a_batch_larger_than_the_admission_bound(tiny_model_dir: Path) -> None:
+    """5,000 prompts, far above the 1,024 + 256 requests the engine admits at once: all complete, in
+    input order (this used to raise `overloaded`)."""
+    prompts: list[Any] = [[0, 5 + i % 97] if i % 50 else f"prompt {i}" for i in range(5000)]
+    with Engine(tiny_model_dir, max_num_seqs=256, max_total_tokens=8192, page_size=16) as engine:
+        completions = engine.generate(prompts, greedy(1))
+        wait_until_free(engine)
+    assert len(completions) == 5000
+    assert all(len(c.token_ids) == 1 and c.finish_reason in ("length", "stop") for c in completions)
+    for prompt, c in zip(prompts, completions, strict=True):
+        if isinstance(prompt, list):
+            assert list(c.prompt_token_ids) == prompt
+    first = {tuple(c.prompt_token_ids): c.token_ids for c in completions}  # greedy: same prompt, same token
+    assert all(first[tuple(c.prompt_token_ids)] == c.token_ids for c in completions)
+
+
 def test_close_drains_in_flight_requests_then_refuses(tiny_model_dir: Path) -> None:
     eng = Engine(tiny_model_dir, **SMALL)
     results: list[list[Completion]] = []
@@ -228,3 +245,17 @@ async def test_async_generate_cancelled_by_its_caller_frees_memory(tiny_model_di
                 pass
     with pytest.raises(RuntimeError, match="not running"):
         await eng.generate(["x"], greedy(1))
+
+
+def test_a_lone_surrogate_prompt_names_prompt(engine: Engine) -> None:
+    with pytest.raises(RequestError) as err:
+        engine.generate(["fine", "bad \ud800 text"], greedy(2))
+    assert err.value.code == "invalid_request" and err.value.message.startswith("prompt: not valid Unicode")
+
+
+def test_the_tokenizer_loads_first_and_fails_fast(tiny_model_dir: Path, tmp_path: Path) -> None:
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    (tmp_path / "tokenizer.json").write_text("{not json")  # and no weights at all
+    with pytest.raises(TokenizerError, match="cannot load tokenizer"):
+        Engine(tmp_path)

@@ -42,6 +42,6 @@ def test_a_corrupt_checkpoint_is_one_line_not_a_traceback(
     bad.mkdir()
     for f in tiny_model_dir.iterdir():
         (bad / f.name).write_bytes(f.read_bytes()[:1000] if f.suffix == ".safetensors" else f.read_bytes())
-    assert main(["bench", "--model", str(bad), "--requests", "1", "--prompt-len", "4"]) == 1
+    assert main(["bench", "--model", str(bad), "--requests", "1", "--prompt-len", "4"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

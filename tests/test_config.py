@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,16 @@ def test_spellings_agree_on_random_layouts(ratios: list[int], hca: int, num_hash
         ({"eos_token_id": "eos"}, "eos_token_id"),
         ({"rope_scaling": "yarn"}, "rope_scaling"),
         ({"model_type": "deepseek_v3"}, "model_type"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),  # reached a scheduler assert
+        ({"index_topk": 0}, "index_topk"),
+        ({"hc_sinkhorn_iters": 0}, "hc_sinkhorn_iters"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+        ({"rope_theta": -1.0}, "rope_theta"),
+        ({"eos_token_id": [True]}, "eos_token_id"),
+        ({"eos_token_id": 10**7}, "eos_token_id"),
+        ({"bos_token_id": -1}, "bos_token_id"),
+        ({"rope_scaling": {"type": "yarn", "factor": "16"}}, "factor"),
+        ({"rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": []}}, "beta_fast"),
     ],
 )
 def test_bad_official_values_name_the_key(changes: dict[str, Any], key: str) -> None:
@@ -233,3 +244,42 @@ def test_engine_config_defaults() -> None:
 def test_bad_engine_values_name_the_key(changes: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         EngineConfig(**changes)
+
+
+BAD_VALUES = (
+    st.integers(-3, 3)
+    | st.integers(min_value=2**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.booleans()
+    | st.none()
+    | st.text(max_size=5)
+    | st.lists(st.integers(-2, 200) | st.text(max_size=3), max_size=4)
+    | st.dictionaries(
+        st.sampled_from(["type", "factor", "rope_type", "x"]), st.integers(-2, 3) | st.text(max_size=3)
+    )
+)
+TINY_KEYS = sorted(by_hand_transformers(official("flash")).keys() | official("flash").keys())
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    spelling=st.sampled_from(["official", "transformers"]),
+    changes=st.dictionaries(
+        st.sampled_from(TINY_KEYS), BAD_VALUES | st.just(_MISSING), min_size=1, max_size=3
+    ),
+)
+def test_random_bad_configs_are_a_config_error_or_servable(spelling: str, changes: dict[str, Any]) -> None:
+    """A random config.json either raises ConfigError naming a key (`key: ...`), or gives a config
+    every core accepts (the scheduler used to meet max_position_embeddings 0 in an assert)."""
+    from dsv4serve.scheduler import SchedulerCore
+
+    raw = official("flash") if spelling == "official" else by_hand_transformers(official("flash"))
+    try:
+        cfg = ModelConfig.from_dict(with_(raw, **changes))
+    except ConfigError as err:
+        assert re.match(r"^[a-z_][a-z0-9_.]*: ", str(err)), str(err)
+        return
+    engine = EngineConfig(page_size=16, max_num_seqs=2, max_total_tokens=1024)
+    SchedulerCore(2, 64, engine.resolved_max_model_len(cfg), 2, cfg.eos_token_ids)
+    assert all(0 <= e < cfg.vocab_size for e in cfg.eos_token_ids)
+    assert len(cfg.compress_ratios) == cfg.num_layers and cfg.num_hash_layers <= cfg.num_layers

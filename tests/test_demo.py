@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+import torch
 
 from dsv4serve import cli
 
@@ -73,19 +74,56 @@ def test_generate_prints_the_completion(
         (["generate", "--model", "/nonexistent", "--prompt", "x"], "does not exist"),
         (["generate", "--model", "MODEL"], "required: --prompt"),
         (["demo", "--max-tokens", "0"], "--max-tokens"),
-        (["serve", "--model", "MODEL"], "one of the arguments --stdio --http is required"),
+        (["serve", "--stdio"], "required: --model"),
         (["serve", "--stdio", "--model", "/nonexistent"], "does not exist"),
         (
             ["serve", "--stdio", "--model", "MODEL", "--page-size", "24"],
             "page_size: 24 must be a power of two",
         ),
         (["serve", "--stdio", "--model", "MODEL", "--state-mode", "flat"], "--state-mode"),
+        (["demo", "--cache-dir", "CACHE", "--max-tokens", "5000"], "max_model_len (4096)"),  # 4 prompts fail
+        # issue 9: tracebacks before
+        (["generate", "--model", "MODEL", "--prompt", "x", "--device", "cuda:x"], "device: 'cuda:x'"),
+        (
+            [
+                "generate",
+                "--model",
+                "MODEL",
+                "--prompt",
+                "x",
+                "--max-tokens",
+                "600",
+                "--max-total-tokens",
+                "512",
+            ],
+            "max_model_len (512)",
+        ),
     ],
 )
 def test_cli_usage_errors_are_one_line_exit_2(
-    argv: list[str], message: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+    argv: list[str], message: str, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = [str(tiny_model_dir) if a == "MODEL" else a for a in argv]
+    if "CACHE" in argv:  # the demo's cache, holding the session's tiny checkpoint
+        (tmp_path / "tiny-seed0").symlink_to(tiny_model_dir)
+        argv = [str(tmp_path) if a == "CACHE" else a for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_missing_device_is_one_line_exit_2(
+    device: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--device", device]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"device: {device!r}" in err and err.count("\n") == 1, err
+
+
+def test_help_shows_defaults_and_the_transport(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "(default: 65536)" in out and "(default: 30.0)" in out and "transport" in out

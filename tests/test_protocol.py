@@ -260,8 +260,8 @@ def test_error_message_shows_long_values_truncated() -> None:
         p.decode_request(GEN + '"stop":["' + "x" * 500 + '", ""]}')
     assert info.value.message == 'stop[1]: Expected `str` of length >= 1, got ""'
     with pytest.raises(p.RequestError) as info:
-        p.decode_request(b'{"type":"generate","id":"' + b"i" * 500 + b'"}')
-    assert info.value.id == "i" * 500
+        p.decode_request(b'{"type":"generate","id":"' + b"i" * 200 + b'"}')
+    assert info.value.id == "i" * 200
 
 
 def test_python_construction_validates_prompt_choice() -> None:
@@ -304,3 +304,74 @@ def test_encode_event_is_one_line() -> None:
     assert (
         msgspec.json.decode(p.encode_event(p.ErrorEvent(id=None, code="internal", message="m")))["id"] is None
     )
+
+
+# ---------------------------------------------------------------- hostile lines (issue 9)
+
+DEEP = "[" * 5000 + "]" * 5000
+HOSTILE: list[tuple[bytes, str, str | None]] = [  # (line, the message's start, the id it echoes)
+    (
+        ('{"type":"generate","id":"r1","prompt":' + DEEP + "}").encode(),
+        "request: JSON nested too deeply",
+        None,
+    ),
+    (('{"id":"r1","x":' + DEEP + ',"type":"generate"}').encode(), "request: JSON nested too deeply", None),
+    (DEEP.encode(), "request", None),
+    (
+        ('{"type":"generate","id":"r1","prompt":"x","stop":' + DEEP + "}").encode(),
+        "request: JSON nested",
+        None,
+    ),
+    ((GEN + '"temperature":1e400}').encode(), "temperature: Number out of range, got 1e400", "r1"),
+    ((GEN + '"temperature":NaN}').encode(), "temperature: expected a finite number, got nan", "r1"),
+    ((GEN + '"top_p":-Infinity}').encode(), "top_p: expected a finite number, got -inf", "r1"),
+    ((GEN + '"top_k":' + "9" * 5000 + "}").encode(), "top_k: Integer value out of range", "r1"),
+    ((GEN + f'"top_k":{2**63}}}').encode(), "top_k: Expected `int` <= 9223372036854775807", "r1"),
+    ((GEN + f'"seed":{-(2**64)}}}').encode(), "seed: Expected `int` >= -9223372036854775808", "r1"),
+    ((GEN + '"prompt_token_ids":null,"max_tokens":1e999}').encode(), "max_tokens: Number out of range", "r1"),
+    (b'{"type":"generate","id":"r1","prompt":"\\ud800"}', "prompt: not valid Unicode text", "r1"),
+    (b'{"type":"generate","id":"r1","prompt":"a","stop":["\\udfff"]}', "stop: not valid Unicode", "r1"),
+    (
+        (GEN + '"stop":[' + ",".join(['"s"'] * 17) + "]}").encode(),
+        "stop: Expected `array` of length <= 16",
+        "r1",
+    ),
+    ((GEN + '"stop":["' + "s" * 1025 + '"]}').encode(), "stop[0]: Expected `str` of length <= 1024", "r1"),
+    ((GEN + '"stop_token_ids":[' + ",".join(["1"] * 1025) + "]}").encode(), "stop_token_ids: Expected", "r1"),
+    (
+        ('{"type":"generate","prompt":"x","id":"' + "i" * 257 + '"}').encode(),
+        "id: Expected `str` of length <= 256",
+        None,
+    ),
+    (('{"type":"cancel","id":"' + "i" * 10**6 + '"}').encode(), "id: Expected `str` of length <= 256", None),
+]
+
+
+@pytest.mark.parametrize(("line", "message", "rid"), HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
+def test_hostile_line_gets_a_field_naming_error(line: bytes, message: str, rid: str | None) -> None:
+    with pytest.raises(p.RequestError) as info:
+        p.decode_request(line)
+    assert (info.value.code, info.value.id) == ("invalid_request", rid), info.value.message
+    assert info.value.message.startswith(message), info.value.message
+    assert len(info.value.message) < 200  # never echoes a huge value
+
+
+def test_large_numbers_in_range_mean_what_they_say() -> None:
+    req = p.decode_request(GEN + f'"top_k":{2**32 + 5},"seed":{2**63 - 1},"temperature":1e300}}')
+    assert isinstance(req, p.Generate) and req.top_k == 2**32 + 5 and req.seed == 2**63 - 1
+
+
+def test_decode_is_safe_deep_in_the_stack() -> None:
+    """msgspec counts nesting against Python's recursion limit, so the same line fails sooner when the
+    caller is deep in its own stack (a trio task): still a RequestError."""
+
+    def nested(depth: int) -> p.RequestError:
+        if depth:
+            return nested(depth - 1)
+        with pytest.raises(p.RequestError) as info:
+            p.decode_request(
+                '{"type":"generate","id":"r1","prompt":"x","stop":' + "[" * 600 + "]" * 600 + "}"
+            )
+        return info.value
+
+    assert nested(500).id in ("r1", None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from test_actors import ENGINE, FakeDevice, letters, make_parts
 
 from dsv4serve import stdio
 from dsv4serve.actors.system import EngineHandle, SystemOptions, run_actors
+from dsv4serve.memory import KVAllocator, Refusal
 from dsv4serve.protocol import CacheLocs, DoneEvent, ErrorEvent, Event, Submit, TokenEvent
 
 
@@ -53,10 +53,12 @@ async def test_stdio_engine_crash_still_writes_the_accepted_requests_errors(
     """When the engine crashed, `_fail_live` queued an `error` per accepted request, but the writer
     had been cancelled with the rest of the nursery: stdout never got them."""
 
-    async def broken_write(locs: Sequence[CacheLocs]) -> None:
-        raise RuntimeError("table write failed")
+    class BrokenAllocator(KVAllocator):  # a bug in a pure core still stops the engine
+        def allocate(self, rid: str, prefix_len: int, seq_len: int, step: int) -> CacheLocs | Refusal:
+            raise RuntimeError("allocator bug")
 
-    parts = dataclasses.replace(make_parts(FakeDevice()), write_locs=broken_write)
+    parts = make_parts(FakeDevice())
+    parts = dataclasses.replace(parts, allocator=BrokenAllocator(parts.model, ENGINE))
 
     async def fake_system(options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle]) -> None:
         await run_actors(parts, options, task_status=task_status)

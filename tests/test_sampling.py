@@ -84,3 +84,15 @@ def test_two_pass_argmax_is_the_first_maximum() -> None:
     x[2, 17] = x[2, 4000] = 99.0  # the first of two equal maxima, in different chunks
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert int(argmax_rows(x)[2]) == 17
+
+
+def test_a_top_k_beyond_32_bits_is_off_not_wrapped() -> None:
+    """4294967301 = 2**32 + 5 used to wrap to top_k 5; any top_k >= the vocabulary means "off"."""
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
+    seeds = list(range(64))
+    tokens = {
+        k: sample(logits, SamplingBatch.build([1.0] * 64, [1.0] * 64, [k] * 64, seeds, [0] * 64, "cpu"))[0]
+        for k in (0, 5, 50, 2**32 + 5, 2**63 - 1)
+    }
+    assert torch.equal(tokens[2**32 + 5], tokens[0]) and torch.equal(tokens[2**63 - 1], tokens[0])
+    assert torch.equal(tokens[50], tokens[0]) and not torch.equal(tokens[5], tokens[0])

@@ -6,9 +6,11 @@ import json
 import os
 import queue
 import random
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -215,6 +217,34 @@ def test_cancel_mid_stream(server: Server) -> None:
     assert (error["type"], error["id"], error["code"]) == ("error", "m1", "unknown_id")
 
 
+def test_hostile_lines_get_one_error_each_while_a_stream_carries_on(server: Server) -> None:
+    """Issue 9: deep nesting killed the server; a huge stop string cost 1.1 GB; others lost their id."""
+    deep = "[" * 3000 + "]" * 3000
+    hostile = [  # (line, the error's id)
+        ('{"type":"generate","id":"h1","prompt":' + deep + "}", None),
+        ('{"id":"h2","x":' + deep + ',"type":"generate"}', None),
+        ('{"type":"generate","id":"h3","prompt":"x","stop":["' + "s" * 200_000 + '"]}', "h3"),
+        ('{"type":"generate","id":"h4","prompt":"x","stop":[' + ",".join(['"s"'] * 5000) + "]}", "h4"),
+        ('{"type":"generate","id":"' + "i" * 100_000 + '","prompt":"x"}', None),
+        ('{"type":"generate","id":"h6","prompt":"x","temperature":1e400}', "h6"),
+        ('{"type":"generate","id":"h7","prompt":"x","top_p":NaN}', "h7"),
+        ('{"type":"generate","id":"h8","prompt":"x","top_k":' + "9" * 10_000 + "}", "h8"),
+        ('{"type":"generate","id":"h9","prompt":"\\ud800"}', "h9"),
+    ]
+    server.send(generate("live", prompt="The capital of France is", max_tokens=40, stream=True))
+    server.until(lambda got: any(e["type"] == "token" for e in got))
+    server.send(*(text.encode() + b"\n" for text, _ in hostile))
+    got = server.until(
+        lambda got: sum(e["type"] == "error" for e in got) == len(hostile) and "live" in endings(got)
+    )
+    errors = [e for e in got if e["type"] == "error"]
+    assert [e["id"] for e in errors] == [rid for _, rid in hostile]
+    assert all(e["code"] == "invalid_request" and len(e["message"]) < 200 for e in errors), errors
+    [done] = [e for e in got if e["type"] == "done"]
+    assert done["id"] == "live" and len(done["token_ids"]) == 40
+    assert server.stats()["running"] == 0  # still serving
+
+
 def test_shutdown_drains_then_exits_0(server: Server) -> None:
     ids = {"s1", "s2", "s3"}
     server.send(*(generate(rid, prompt=f"drain {rid}", max_tokens=6) for rid in sorted(ids)))
@@ -257,3 +287,66 @@ async def test_line_reader_splits_chunks_and_skips_overlong_lines() -> None:
     assert await reader.receive_line() == b"ok"
     assert await reader.receive_line() == b"last"
     assert await reader.receive_line() is None
+
+
+# ---------------------------------------------------------------- signals and a closed stdout (issue 9)
+
+
+def start_server(model_dir: Path, log: IO[bytes], *flags: str) -> Server:
+    return Server(serve_command(model_dir, *SMALL_KV, *flags), log)
+
+
+@pytest.mark.parametrize(("signum", "times", "status"), [(signal.SIGTERM, 1, 0), (signal.SIGINT, 2, 130)])
+def test_a_stop_signal_mid_stream_ends_every_request_once(
+    tiny_model_dir: Path, tmp_path: Path, signum: signal.Signals, times: int, status: int
+) -> None:
+    """One signal drains (the long stream finishes); a second one cuts the drain short (what is still
+    live ends with `internal`). Either way: one terminal event per request, the documented status,
+    no traceback."""
+    log_path = tmp_path / "stderr.jsonl"
+    with log_path.open("wb") as log:
+        srv = start_server(tiny_model_dir, log)
+        ids = {"long", "a1", "a2", "a3"}
+        srv.send(generate("long", prompt="The capital of France is", max_tokens=200, stream=True))
+        srv.send(*(generate(rid, prompt_token_ids=[0, 5, 6, 7], max_tokens=30) for rid in ("a1", "a2", "a3")))
+        srv.until(lambda got: any(e["type"] == "token" for e in got))
+        for _ in range(times):
+            srv.proc.send_signal(signum)
+            time.sleep(0.5)  # trio coalesces a signal that repeats before it was read
+        assert srv.proc.wait(timeout=120) == status
+    got = list(srv.seen)
+    while (event := srv.events.get(timeout=30)) is not None:
+        got.append(event)
+    assert endings(got) == Counter(ids)
+    stderr = log_path.read_text()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    logs = [json.loads(x) for x in stderr.splitlines() if x.startswith("{")]
+    assert any(e["event"] == "signal" and e["signal"] == signum.name for e in logs)
+    [long_end] = [e for e in got if e["id"] == "long" and e["type"] in ("done", "error")]
+    if times == 1:
+        assert long_end["type"] == "done" and len(long_end["token_ids"]) == 200
+    else:
+        assert long_end["type"] == "error" and long_end["code"] == "internal"
+
+
+def test_a_client_that_closes_stdout_gets_a_quiet_exit(tiny_model_dir: Path, tmp_path: Path) -> None:
+    log_path = tmp_path / "stderr.jsonl"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            serve_command(tiny_model_dir, *SMALL_KV),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            cwd=ROOT,
+            env=server_env(),
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(generate("long", prompt="Hello", max_tokens=200, stream=True))
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["type"] == "token"
+        proc.stdout.close()  # the stream goes on writing tokens into a closed pipe
+        assert proc.wait(timeout=120) == 0  # stdin is still open: the server left on its own
+        proc.stdin.close()
+    stderr = log_path.read_text()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert any(json.loads(x)["event"] == "stdout_closed" for x in stderr.splitlines() if x.startswith("{"))

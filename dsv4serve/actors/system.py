@@ -30,7 +30,7 @@ from dsv4serve.actors.executor import Collect, LaunchFn, run_executor
 from dsv4serve.actors.kv_writer import WriteLocsFn, run_kv_writer
 from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.tokenizer import Client, Clients, run_tokenizer
-from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer
+from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer, max_token_chars
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory import KVAllocator, write_cache_locs_batch
@@ -51,6 +51,7 @@ from dsv4serve.protocol import (
     StepPlan,
     Submit,
     TokenizerMsg,
+    check_submit,
 )
 from dsv4serve.scheduler import SchedulerCore
 
@@ -77,12 +78,14 @@ class Parts:
     decoder: SupportsDecode
     write_locs: WriteLocsFn
     launch: LaunchFn
+    max_token_chars: int | None = None  # the longest token's text (None: no early length check)
 
 
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
     if options.prebuilt is not None:
         return options.prebuilt
-    return ModelRunner(options.model_dir, options.engine), load_tokenizer(options.model_dir)
+    tokenizer = load_tokenizer(options.model_dir)  # first: a bad tokenizer fails before the weights load
+    return ModelRunner(options.model_dir, options.engine), tokenizer
 
 
 def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
@@ -108,6 +111,7 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
         allocator=KVAllocator(runner.model_cfg, runner.engine, runner.sizes),
         encode=partial(encode_prompt, tok),
         decoder=tok,
+        max_token_chars=max_token_chars(tok),
         write_locs=write_locs,
         launch=launch,
     )
@@ -139,7 +143,7 @@ class EngineHandle:
             raise RequestError("internal", "the engine is draining or stopped", req.rid or None)
         if self._clients.get(req.rid) is not None:
             raise RequestError("duplicate_id", f"id: a request with id {req.rid!r} is running", req.rid)
-        _validate(req, self.model.vocab_size)
+        check_submit(req, self.model.vocab_size)
         busy = RequestError("overloaded", f"the engine holds {self._max_live} requests; retry later", req.rid)
         if self._clients.num_live >= self._max_live:
             raise busy
@@ -200,24 +204,6 @@ class EngineHandle:
         self._nursery.cancel_scope.cancel()
 
 
-def _validate(req: Submit, vocab_size: int) -> None:
-    def bad(message: str) -> RequestError:
-        return RequestError("invalid_request", message, req.rid or None)
-
-    if not req.rid:
-        raise bad("id: must be a non-empty string")
-    if (req.prompt is None) == (req.prompt_token_ids is None):
-        raise bad("prompt: give exactly one of prompt / prompt_token_ids")
-    if req.prompt_token_ids is not None:
-        if not req.prompt_token_ids:
-            raise bad("prompt_token_ids: must not be empty")
-        for i, tid in enumerate(req.prompt_token_ids):
-            if not 0 <= tid < vocab_size:
-                raise bad(f"prompt_token_ids[{i}]: {tid} is outside the vocabulary [0, {vocab_size})")
-    if req.max_tokens < 1:
-        raise bad(f"max_tokens: must be >= 1, got {req.max_tokens}")
-
-
 async def run_system(
     options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -265,6 +251,7 @@ async def run_actors(
                     parts.encode,
                     parts.decoder,
                     max_model_len,
+                    parts.max_token_chars,
                 )
                 nursery.start_soon(run_scheduler, scheduler_inbox, to_allocator, front.clone(), core, gauges)
                 nursery.start_soon(

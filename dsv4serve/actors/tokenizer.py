@@ -46,11 +46,13 @@ class Client:
     ended: bool = False  # its terminal event is out (or being sent)
     cancelled: bool = False  # a cancel was issued (by the handle, or because the client went away)
     cancel_pending: bool = False  # that cancel has not reached the tokenizer yet
+    awaiting_engine: bool = False  # ended by the tokenizer while the scheduler still holds it
 
 
 class Clients:
     """rid -> Client of every accepted request until it ended; an ended entry lingers while a cancel
-    for it is still on its way (so the id is not reused under that stale cancel)."""
+    for it is still on its way, or while the scheduler's last message for it is (so the id is not
+    reused under a stale message)."""
 
     def __init__(self) -> None:
         self._by_rid: dict[str, Client] = {}
@@ -69,17 +71,26 @@ class Clients:
         assert not client.ended, f"{rid} ended twice"
         client.ended = True
         self.num_live -= 1
-        if not client.cancel_pending:
-            del self._by_rid[rid]
+        self._forget_if_done(rid, client)
         return client
 
     def cancel_arrived(self, rid: str) -> Client | None:
         client = self._by_rid.get(rid)
         if client is not None:
             client.cancel_pending = False
-            if client.ended:
-                del self._by_rid[rid]
+            self._forget_if_done(rid, client)
         return client
+
+    def engine_released(self, rid: str) -> None:
+        """The scheduler's last message for a request the tokenizer had ended already."""
+        client = self._by_rid.get(rid)
+        if client is not None and client.awaiting_engine:
+            client.awaiting_engine = False
+            self._forget_if_done(rid, client)
+
+    def _forget_if_done(self, rid: str, client: Client) -> None:
+        if client.ended and not client.cancel_pending and not client.awaiting_engine:
+            del self._by_rid[rid]
 
     def live(self) -> list[tuple[str, Client]]:
         return [(rid, c) for rid, c in self._by_rid.items() if not c.ended]
@@ -106,6 +117,7 @@ class _Tokenizer:
     encode: Encode
     decoder: SupportsDecode
     max_model_len: int
+    max_token_chars: int | None = None  # the longest token's text: longer prompts cannot fit
     outputs: dict[str, _Output] = field(default_factory=dict)
     log: structlog.typing.FilteringBoundLogger = field(
         default_factory=lambda: structlog.get_logger().bind(actor="tokenizer")
@@ -113,19 +125,38 @@ class _Tokenizer:
 
     async def submit(self, msg: Submit) -> None:
         try:
+            stops = StopMatcher(msg.stop)
+        except ValueError as exc:  # TokenizerError: its message names `stop`
+            await self.fail(msg.rid, "invalid_request", str(exc))
+            return
+        limit = None if self.max_token_chars is None else self.max_token_chars * self.max_model_len
+        if msg.prompt is not None and limit is not None and len(msg.prompt) > limit:  # before encoding it
+            why = f"prompt ({len(msg.prompt)} characters) cannot fit in max_model_len ({self.max_model_len})"
+            await self.fail(
+                msg.rid, "context_too_long", f"{why}: no token is longer than {self.max_token_chars}"
+            )
+            return
+        try:
             ids = msg.prompt_token_ids
             if ids is None:
                 assert msg.prompt is not None
                 ids = tuple(await trio.to_thread.run_sync(self.encode, msg.prompt))
-            stops = StopMatcher(msg.stop)
         except (ValueError, TypeError) as exc:  # TokenizerError, or text the tokenizer rejects
-            await self.fail(msg.rid, "invalid_request", str(exc))
+            why = str(exc) if str(exc).startswith("prompt") else f"prompt: {exc}"
+            await self.fail(msg.rid, "invalid_request", why)
+            return
+        except Exception as exc:  # a tokenizer fault: contained to this request
+            await self.fault(msg.rid, "encode_failed", exc)
             return
         if len(ids) + msg.max_tokens > self.max_model_len:
             why = f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) > max_model_len"
             await self.fail(msg.rid, "context_too_long", f"{why} ({self.max_model_len})")
             return
-        detok = IncrementalDetokenizer(self.decoder, ids)
+        try:
+            detok = IncrementalDetokenizer(self.decoder, ids)
+        except Exception as exc:
+            await self.fault(msg.rid, "detokenize_failed", exc)
+            return
         self.outputs[msg.rid] = _Output(ids, msg.echo_prompt, msg.stream, msg.sampling.logprobs, detok, stops)
         tokenized = Tokenized(
             rid=msg.rid,
@@ -137,22 +168,25 @@ class _Tokenizer:
         await self.scheduler.send(tokenized)
 
     async def tokens(self, msg: Detokenize) -> None:
-        out = self.outputs[msg.rid]
+        out = self.outputs.get(msg.rid)
+        if out is None:  # ended here already (a detokenizer fault); the scheduler ends it too
+            if msg.finish_reason is not None:
+                self.clients.engine_released(msg.rid)
+            return
         ids, text = list(msg.token_ids), ""
         if ids and out.first_token_at is None:
             out.first_token_at = trio.current_time()
         finishing = msg.finish_reason is not None
         if out.stops.matched is None:
+            try:
+                text, hit = _new_text(out, ids, msg.finish_reason)
+            except Exception as exc:  # a detokenizer fault: contained to this request
+                await self.fault(msg.rid, "detokenize_failed", exc, engine_holds=not finishing)
+                return
             out.token_ids += ids
             out.logprobs += msg.logprobs or ()
-            # a "stop" that no stop string caused ends on a stop token: in the ids, not in the text
-            stop_token = msg.finish_reason == "stop" and bool(ids)
-            text, hit = out.stops.push(out.detok.push(ids[:-1] if stop_token else ids))
             if hit and not finishing:
                 await self.scheduler.send(StopHit(rid=msg.rid))
-            if finishing and not hit:
-                tail, hit = out.stops.push(out.detok.flush())
-                text += tail if hit else tail + out.stops.flush()
             out.texts.append(text)
         else:
             ids = []  # generated after the stop string: dropped
@@ -191,7 +225,22 @@ class _Tokenizer:
         )
         await self.emit_terminal(rid, event, client)
 
+    async def fault(self, rid: str, what: str, exc: Exception, engine_holds: bool = False) -> None:
+        """End `rid` with an `internal` error after a fault in the tokenizer's own work; if the
+        scheduler still holds it, cancel it there (its last message is then dropped)."""
+        self.log.exception(what, rid=rid)
+        client = self.clients.get(rid)
+        assert client is not None, rid
+        client.awaiting_engine = engine_holds
+        await self.fail(rid, "internal", f"{what.replace('_', ' ')}: {type(exc).__name__}: {exc}")
+        if engine_holds:
+            await self.scheduler.send(CancelRequest(rid=rid))
+
     async def fail(self, rid: str, code: ErrorCode, message: str) -> None:
+        client = self.clients.get(rid)
+        if client is not None and client.ended and client.awaiting_engine:  # the scheduler's last word
+            self.clients.engine_released(rid)
+            return
         self.outputs.pop(rid, None)
         client = self.clients.end(rid)
         self.log.info("request", rid=rid, finish_reason="error", code=code, message=message)
@@ -225,6 +274,17 @@ class _Tokenizer:
                 await self.scheduler.send(CancelRequest(rid=rid))
 
 
+def _new_text(out: _Output, ids: list[int], finish_reason: FinishReason | None) -> tuple[str, bool]:
+    """The text `ids` complete (stop strings applied; the tail flushed when the request finishes)."""
+    # a "stop" that no stop string caused ends on a stop token: in the ids, not in the text
+    stop_token = finish_reason == "stop" and bool(ids)
+    text, hit = out.stops.push(out.detok.push(ids[:-1] if stop_token else ids))
+    if finish_reason is not None and not hit:
+        tail, hit = out.stops.push(out.detok.flush())
+        text += tail if hit else tail + out.stops.flush()
+    return text, hit
+
+
 async def run_tokenizer(
     inbox: trio.MemoryReceiveChannel[TokenizerMsg],
     scheduler: trio.MemorySendChannel[SchedulerMsg],
@@ -232,10 +292,11 @@ async def run_tokenizer(
     encode: Encode,
     decoder: SupportsDecode,
     max_model_len: int,
+    max_token_chars: int | None = None,
 ) -> None:
     """The first Drain (from the handle, after every accepted Submit) goes on to the scheduler; the
     second (the scheduler's, after every request's last message) ends the actor."""
-    state = _Tokenizer(scheduler, clients, encode, decoder, max_model_len)
+    state = _Tokenizer(scheduler, clients, encode, decoder, max_model_len, max_token_chars)
     num_drains = 0
     async with inbox, scheduler:
         async for msg in inbox:

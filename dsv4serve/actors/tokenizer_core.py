@@ -21,6 +21,8 @@ from typing import Protocol
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from dsv4serve.protocol import check_text
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -63,6 +65,12 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
     return tok
 
 
+def max_token_chars(tok: PreTrainedTokenizerFast) -> int:
+    """The most characters one token's text holds: a prompt longer than this times the context has
+    too many tokens for it, which the engine says before encoding it (encoding 1M tokens takes ~0.6 GB)."""
+    return max(len(tok.convert_tokens_to_string([t])) for t in tok.get_vocab())
+
+
 def encode_prompt(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
     """Ids of a raw completion prompt: BOS + text.
 
@@ -71,7 +79,11 @@ def encode_prompt(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
     Special-token strings inside `text` become their tokens: a raw prompt is trusted as written.
     """
     if not isinstance(text, str):
-        raise TokenizerError(f"prompt must be a string, got {type(text).__name__}")
+        raise TokenizerError(f"prompt: must be a string, got {type(text).__name__}")
+    try:
+        check_text("prompt", text)
+    except ValueError as exc:
+        raise TokenizerError(str(exc)) from None
     bos_id, bos_text = tok.bos_token_id, tok.bos_token
     if bos_id is None or not isinstance(bos_text, str):
         raise TokenizerError("tokenizer has no bos_token")
@@ -255,16 +267,20 @@ class StopMatcher:
     the text before the stop and `True`; later pushes return `("", True)`. When several stops
     match, the one ending first wins (ties: the longest), so the result does not depend on how
     the text was chunked. `matched` names the stop string that hit.
+
+    Cost: one Knuth-Morris-Pratt automaton per stop string (its failure table, and how much of the
+    stop the text's tail matches), so memory is linear in the stops' length and each pushed
+    character costs amortised O(number of stops), whatever their length.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
         if isinstance(stops, str):
-            raise TokenizerError("stops must be a list of strings, not a string")
+            raise TokenizerError("stop: must be a list of strings, not a string")
         if any(not isinstance(s, str) or not s for s in stops):
-            raise TokenizerError("stop strings must be non-empty strings")
+            raise TokenizerError("stop: stop strings must be non-empty strings")
         self._stops = tuple(dict.fromkeys(stops))
-        self._prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
-        self._max_held = max((len(s) - 1 for s in self._stops), default=0)
+        self._fail = tuple(_failure_table(s) for s in self._stops)
+        self._state = [0] * len(self._stops)  # chars of each stop the text's tail matches
         self._held = ""
         self.matched: str | None = None
 
@@ -273,30 +289,43 @@ class StopMatcher:
         if self.matched is not None:
             return "", True
         text = self._held + delta
-        hit = self._first_hit(text)
-        if hit is not None:
-            start, self.matched = hit
-            self._held = ""
-            return text[:start], True
-        keep = self._held_len(text)
+        for end, char in enumerate(delta, start=len(self._held) + 1):  # text[:end] ends on char
+            hit = self._advance(char)
+            if hit is not None:
+                self.matched, self._held = hit, ""
+                return text[: end - len(hit)], True
+        keep = max(self._state, default=0)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], False
 
     def flush(self) -> str:
         """End of stream without a hit: return the held tail."""
         held, self._held = self._held, ""
+        self._state = [0] * len(self._stops)
         return held
 
-    def _first_hit(self, text: str) -> tuple[int, str] | None:
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = text.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-                best = (start + len(stop), start, stop)
-        return None if best is None else (best[1], best[2])
+    def _advance(self, char: str) -> str | None:
+        """Feed one character to every automaton; the longest stop that completes on it, if any."""
+        hit: str | None = None
+        for n, (stop, fail) in enumerate(zip(self._stops, self._fail, strict=True)):
+            q = self._state[n]
+            while q and stop[q] != char:
+                q = fail[q - 1]
+            q += stop[q] == char
+            if q == len(stop):
+                hit = stop if hit is None or len(stop) > len(hit) else hit
+                q = fail[q - 1]
+            self._state[n] = q
+        return hit
 
-    def _held_len(self, text: str) -> int:
-        for size in range(min(len(text), self._max_held), 0, -1):
-            if text[-size:] in self._prefixes:
-                return size
-        return 0
+
+def _failure_table(s: str) -> list[int]:
+    """KMP: fail[i] = the length of the longest proper prefix of s[: i + 1] that is also its suffix."""
+    fail = [0] * len(s)
+    q = 0
+    for i in range(1, len(s)):
+        while q and s[i] != s[q]:
+            q = fail[q - 1]
+        q += s[i] == s[q]
+        fail[i] = q
+    return fail

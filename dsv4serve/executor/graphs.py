@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch, WindowMeta
-from dsv4serve.executor.sampling import SamplingBatch
+from dsv4serve.executor.sampling import SamplingBatch, top_k_of
 from dsv4serve.protocol import StepItem
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -112,7 +112,7 @@ class _Graph:
         put("seq_lens", [p + 1 for p in prefix], 1)
         for r in self.ratios:
             put(f"win_index{r}", [(p + 1) // r - 1 if (p + 1) % r == 0 else -1 for p in prefix], -1)
-        put("top_k", [i.sampling.top_k & MASK32 for i in items], 0)
+        put("top_k", [top_k_of(i.sampling.top_k) for i in items], 0)
         put("seed", [s & MASK32 for s in seeds], 0)
         put("sample_pos", [p + 1 for p in prefix], 1)
         for name in ("token_req", "sample_index", *(f"win_req{r}" for r in self.ratios)):

@@ -17,6 +17,7 @@ from dsv4serve.attention.metadata import BatchItem, ForwardBatch, build_forward_
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.backend import Backend
 from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.devices import check_device
 from dsv4serve.executor.backends import select_backend
 from dsv4serve.executor.graphs import DecodeGraphs
 from dsv4serve.executor.sampling import SamplingBatch, sample
@@ -25,6 +26,7 @@ from dsv4serve.memory.pools import KVPools
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
 from dsv4serve.models.deepseek_v4 import DeepseekV4
 from dsv4serve.models.loader import load_checkpoint
+from dsv4serve.progress import shown
 from dsv4serve.protocol import CacheLocs, SampledToken, StepItem, StepPlan
 from dsv4serve.quant import Weight, quantize_weights_int8
 
@@ -83,9 +85,15 @@ class ModelRunner:
     ) -> None:
         """Load a checkpoint; `ops` overrides the device's backend (tests run Triton's on CPU tensors)."""
         cfg = ModelConfig.from_dir(model_dir)
+        check_device(engine.device)
         dtype = getattr(torch, engine.torch_dtype_name)
         weights = load_checkpoint(
-            Path(model_dir), cfg, dtype=dtype, device=engine.device, fp4_experts=engine.fp4_experts
+            Path(model_dir),
+            cfg,
+            dtype=dtype,
+            device=engine.device,
+            fp4_experts=engine.fp4_experts,
+            progress=shown,
         )
         self._build(cfg, weights, engine, sizes, ops)
 

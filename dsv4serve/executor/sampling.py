@@ -16,6 +16,12 @@ import torch
 from dsv4serve.devices import to_device
 
 _MASK32 = 0xFFFFFFFF
+TOP_K_OFF = 2**31 - 1  # any larger top_k keeps the whole vocabulary too (and must not wrap to 32 bits)
+
+
+def top_k_of(k: int) -> int:
+    """A request's top_k as the sampler's int: a top_k at or above the vocabulary size means "off"."""
+    return min(k, TOP_K_OFF)
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,14 @@ class SamplingBatch:
 
         all_greedy, needs_filter = cls.flags(temperature, top_p, top_k)
         return cls(
-            f(temperature), f(top_p), i(top_k), i(seed), i(position), all_greedy, needs_filter, want_logprobs
+            f(temperature),
+            f(top_p),
+            i([top_k_of(k) for k in top_k]),
+            i(seed),
+            i(position),
+            all_greedy,
+            needs_filter,
+            want_logprobs,
         )
 
 

@@ -64,6 +64,7 @@ from dsv4serve.models.weights import (
     loaded_tensors,
     storage_dtype,
 )
+from dsv4serve.progress import Progress, silent
 from dsv4serve.quant import Int8Weight, Weight, quantize_int8
 
 __all__ = ["CheckpointError", "expected_tensors", "iter_checkpoint", "load_checkpoint", "loaded_tensors"]
@@ -104,18 +105,27 @@ def load_checkpoint(
     dtype: torch.dtype,
     device: str = "cpu",
     fp4_experts: str = "float",
+    progress: Progress[tuple[str, Any]] = silent,
 ) -> dict[str, torch.Tensor | Int8Weight]:
     """Every weight of `model` by official name (experts stacked), cast by `storage_dtype`, on `device`;
-    int8 projections of a W8A8 checkpoint as `Int8Weight` (int8 + fp32 scale)."""
+    int8 projections of a W8A8 checkpoint as `Int8Weight` (int8 + fp32 scale). `progress` wraps the
+    tensors as they load (`progress.shown`: a bar or log lines)."""
     out: dict[str, Weight] = {}
-    for name, value in iter_checkpoint(model_dir, model, dtype=dtype, fp4_experts=fp4_experts):
+    for name, value in iter_checkpoint(
+        model_dir, model, dtype=dtype, fp4_experts=fp4_experts, progress=progress
+    ):
         _place(out, name, value, model, device)
     _check_tid2eid(out, model)
     return out
 
 
 def iter_checkpoint(
-    model_dir: Path | str, model: ModelConfig, *, dtype: torch.dtype, fp4_experts: str = "float"
+    model_dir: Path | str,
+    model: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    fp4_experts: str = "float",
+    progress: Progress[tuple[str, Any]] = silent,
 ) -> Iterator[tuple[str, Weight]]:
     """Each expected tensor by official name (experts one by one, on the CPU), as `load_checkpoint`
     reads it; the headers are checked before the first tensor is read."""
@@ -126,7 +136,7 @@ def iter_checkpoint(
     block = _block_size(model)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in files}
-        for name, item in plan.items():
+        for name, item in progress(list(plan.items()), "weights"):
             raw = _read(handles, item.weight)
             scale = _read(handles, item.scale) if item.scale else None
             offset = _read(handles, item.offset) if item.offset else None
