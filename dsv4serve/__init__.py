@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from dsv4serve.api import AsyncEngine, Engine
     from dsv4serve.params import Completion, SamplingParams
-    from dsv4serve.protocol import RequestError, StatsEvent, TokenEvent
+    from dsv4serve.protocol import RequestError, StatsEvent, TokenEvent, TopLogprob
 
 _EXPORTS = MappingProxyType(
     {
@@ -30,6 +30,7 @@ _EXPORTS = MappingProxyType(
         "RequestError": "dsv4serve.protocol",
         "StatsEvent": "dsv4serve.protocol",
         "TokenEvent": "dsv4serve.protocol",
+        "TopLogprob": "dsv4serve.protocol",
     }
 )
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "SamplingParams",
     "StatsEvent",
     "TokenEvent",
+    "TopLogprob",
 ]
 
 

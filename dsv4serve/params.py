@@ -23,6 +23,7 @@ class SamplingParams:
 
     temperature 0 = greedy; top_k 0 = off; seed None = derived from the engine seed and the request id.
     `stop` strings end the request and are cut from the text (a single string is one stop string).
+    `top_logprobs` n > 0 (with `logprobs`) also reports each position's n most likely tokens.
     """
 
     max_tokens: int = 16
@@ -33,6 +34,7 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         n, t, p, k = self.max_tokens, self.temperature, self.top_p, self.top_k
@@ -42,6 +44,10 @@ class SamplingParams:
         _check("top_k", _is_int(k) and k >= 0, "an int >= 0 (0 = off)", k)
         _check("seed", self.seed is None or _is_int(self.seed), "an int or None", self.seed)
         _check("logprobs", isinstance(self.logprobs, bool), "a bool", self.logprobs)
+        top, most = self.top_logprobs, protocol.MAX_TOP_LOGPROBS
+        _check("top_logprobs", _is_int(top) and 0 <= top <= most, f"an int in [0, {most}]", top)
+        if top and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=True (0 without it)")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         ok = _is_list(stop) and all(
             isinstance(s, str) and 0 < len(s) <= protocol.MAX_STOP_CHARS for s in stop
@@ -69,6 +75,7 @@ class Completion:
     finish_reason: FinishReason
     prompt_token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None  # one per token id, when asked
+    top_logprobs: tuple[protocol.TopLogprobs, ...] | None = None  # one per token id, when asked
 
 
 def _check(name: str, ok: bool, expected: str, value: object) -> None:
@@ -133,6 +140,7 @@ def to_submit(rid: str, prompt: Prompt, params: SamplingParams, stream: bool) ->
         top_k=params.top_k,
         seed=params.seed,
         logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
     )
     return protocol.Submit(
         rid=rid,
@@ -158,6 +166,7 @@ def to_completion(event: protocol.Event) -> Completion:
                 finish_reason=event.finish_reason,
                 prompt_token_ids=event.prompt_token_ids,
                 logprobs=event.logprobs,
+                top_logprobs=event.top_logprobs,
             )
         case protocol.ErrorEvent():
             raise RequestError(event.code, event.message, event.id)

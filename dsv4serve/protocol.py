@@ -78,6 +78,8 @@ MAX_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOP_LOGPROBS = 20  # most likely tokens reported per generated token
+TOP_NEEDS_LOGPROBS = "top_logprobs: needs logprobs true (0 without it)"
 MAX_INT = 2**63 - 1  # integer fields; a top_k at or above the vocabulary size means "off"
 MIN_SEED, MAX_SEED = -(2**63), MAX_INT
 
@@ -105,11 +107,14 @@ class Generate(_Request, frozen=True, tag="generate"):
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     stream: bool = False
     logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # needs logprobs
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):
             got = "neither" if self.prompt is None else "both"
             raise ValueError(f"prompt: give exactly one of prompt / prompt_token_ids (got {got})")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(TOP_NEEDS_LOGPROBS)
 
 
 class Cancel(_Request, frozen=True, tag="cancel"):
@@ -150,6 +155,16 @@ class PoolStat(msgspec.Struct, frozen=True, kw_only=True):
     capacity: int
 
 
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One of the most likely tokens at a position, encoded as `[token_id, logprob]`."""
+
+    token_id: int
+    logprob: float
+
+
+TopLogprobs: TypeAlias = tuple[TopLogprob, ...]  # one position's, most likely first (ties: lowest id)
+
+
 class TokenEvent(_Event, frozen=True, tag="token"):
     """A streamed delta: the new token ids and the text they completed (may be "")."""
 
@@ -168,6 +183,7 @@ class DoneEvent(_Event, frozen=True, tag="done", omit_defaults=True):
     usage: Usage
     timing: Timing
     logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[TopLogprobs, ...] | None = None  # one per token id, when top_logprobs > 0
     prompt_token_ids: tuple[int, ...] | None = None  # only when the Submit asked (echo_prompt)
 
 
@@ -262,6 +278,11 @@ def check_submit(req: Submit, vocab_size: int) -> None:
         raise bad(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
     if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
+    top = req.sampling.top_logprobs
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    if top and not req.sampling.logprobs:
+        raise bad(TOP_NEEDS_LOGPROBS)
 
 
 def _is_id(rid: object) -> bool:
@@ -429,6 +450,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = 0  # 0 = off
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS, only with logprobs
 
 
 LOOKAHEAD = -1  # the input id of a lookahead decode: the token its request's previous step samples
@@ -468,7 +490,12 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
 
 def sampling_of(req: Generate) -> SamplingSpec:
     return SamplingSpec(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, logprobs=req.logprobs
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
     )
 
 
@@ -496,6 +523,7 @@ class Detokenize(_Msg, frozen=True, tag="detokenize"):
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     logprobs: tuple[float, ...] | None = None  # one per id when the request asked for them
+    top_logprobs: tuple[TopLogprobs, ...] | None = None  # one per id when it asked for top_logprobs
     num_preemptions: int = 0  # with a finish_reason: how often the request was preempted (for its log line)
 
 
@@ -545,6 +573,7 @@ class SampledToken(msgspec.Struct, frozen=True, kw_only=True):
     rid: str
     token_id: int
     logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None  # the request's top_logprobs most likely, when > 0
 
 
 class RequestFailure(msgspec.Struct, frozen=True, kw_only=True):

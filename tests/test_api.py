@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import random
 import shutil
 import threading
 import time
@@ -13,11 +14,13 @@ from typing import Any
 
 import pytest
 import structlog
+import torch
 import trio
 
 from dsv4serve import AsyncEngine, Completion, Engine, RequestError, SamplingParams, TokenEvent
 from dsv4serve.actors.tokenizer_core import TokenizerError, encode_prompt, load_tokenizer
 from dsv4serve.config import EngineConfig
+from tests.golden_harness import reference_traces
 
 SMALL: dict[str, Any] = {"max_total_tokens": 512, "page_size": 16, "max_num_seqs": 8}
 
@@ -100,6 +103,9 @@ def test_sampling_params_defaults_and_normalization() -> None:
         ("stop_token_ids", ["a"]),
         ("stop_token_ids", 5),
         ("logprobs", 1),
+        ("top_logprobs", 21),
+        ("top_logprobs", -1),
+        ("top_logprobs", True),
     ],
 )
 def test_sampling_params_rejects_bad_values(field: str, value: object) -> None:
@@ -139,6 +145,40 @@ def test_generate_one_string_and_logprobs(engine: Engine) -> None:
     [c] = engine.generate("Hello", greedy(4, logprobs=True))
     assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids) == 4
     assert all(lp <= 0 for lp in c.logprobs)
+
+
+def test_top_logprobs_need_logprobs() -> None:
+    with pytest.raises(ValueError, match=r"^top_logprobs: needs logprobs=True"):
+        SamplingParams(top_logprobs=3)
+
+
+def test_top_logprobs_match_transformers_log_softmax(tiny_model_dir: Path) -> None:
+    """Greedy: every position's top n are torch.log_softmax(reference logits).topk(n) (ties to the
+    lowest id), the chosen token is the first of them with the same logprob, bit for bit."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2, 129000) for _ in range(n)] for n in (3, 9, 20)]
+    traces = reference_traces(tiny_model_dir, prompts, 4)
+    sizes = (5, 1, 20)
+    with Engine(tiny_model_dir, dtype="float32", **SMALL) as eng:
+        params = [greedy(4, logprobs=True, top_logprobs=n) for n in sizes]
+        out = eng.generate([*prompts, prompts[0]], [*params, greedy(4, logprobs=True)])
+    for c, prompt, trace, n in zip(out, prompts, traces, sizes, strict=False):
+        assert list(c.token_ids) == trace.tokens
+        assert c.logprobs is not None and c.top_logprobs is not None and len(c.top_logprobs) == 4
+        generated = trace.logits[len(prompt) - 1 :]  # the logits each generated token came from
+        for logits, top, lp in zip(generated, c.top_logprobs, c.logprobs, strict=True):
+            ref = torch.log_softmax(logits.double(), -1).topk(n + 1)
+            want = sorted(
+                zip(ref.values.tolist(), ref.indices.tolist(), strict=True), key=lambda x: (-x[0], x[1])
+            )
+            assert [t.token_id for t in top] == [i for _, i in want[:n]]
+            assert [t.logprob for t in top] == pytest.approx([v for v, _ in want[:n]], abs=1e-4)
+            assert top[0].logprob == lp
+        assert [t[0].token_id for t in c.top_logprobs] == list(c.token_ids)
+    assert out[3].token_ids == out[0].token_ids and out[3].logprobs == pytest.approx(
+        out[0].logprobs, abs=1e-4
+    )
+    assert out[3].top_logprobs is None
 
 
 def test_generate_rejects_bad_prompts(engine: Engine) -> None:

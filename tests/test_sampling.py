@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs, top logprobs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dsv4serve.executor.sampling import SamplingBatch, sample, uniform
+from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs, uniform
 
 
 def _params(
@@ -21,6 +21,36 @@ def test_greedy_is_argmax_and_logprob_matches_log_softmax() -> None:
     assert torch.equal(tokens, logits.argmax(-1))
     expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
     assert torch.allclose(logprobs, expected)
+
+
+def _reference_top(logits: torch.Tensor, n: int) -> tuple[list[list[int]], torch.Tensor]:
+    """torch.log_softmax's n largest per row (topk's values), ids ordered by (-logprob, id)."""
+    ref = torch.log_softmax(logits.double(), -1)
+    ids = [sorted(range(ref.shape[1]), key=lambda j: (-float(row[j]), j))[:n] for row in ref]
+    return ids, ref.topk(n).values
+
+
+def test_top_logprobs_equal_log_softmax_topk_with_ties_to_the_lowest_id() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 300, generator=gen) * 4).round() / 2  # (S, V): many exact ties
+    logits[0] = 1.0  # a whole row of ties
+    logits[1, 250:] = logits[1].max()  # the tie at the top, at high ids
+    for n in (1, 5, 20):
+        ids, lps = top_logprobs(logits, n)
+        want_ids, want_lps = _reference_top(logits, n)
+        assert ids.tolist() == want_ids
+        assert torch.allclose(lps.double(), want_lps, atol=1e-5)
+    assert top_logprobs(logits, 5)[0][0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_chosen_logprob_is_the_top_entry_of_the_same_log_softmax() -> None:
+    logits = torch.randn(8, 64, generator=torch.Generator().manual_seed(4)) * 3
+    top_ids, top_lps = top_logprobs(logits, 64)  # every token: the chosen one is among them
+    for temperature in (0.0, 1.0):
+        tokens, logprobs = sample(logits, _params(8, temperature=temperature, seed=11))
+        at = (top_ids == tokens[:, None]).float().argmax(-1)  # (S,) the chosen token's rank
+        assert torch.equal(top_lps.gather(1, at[:, None]).squeeze(1), logprobs)  # bit for bit
+    assert torch.equal(top_ids[:, 0], logits.argmax(-1))
 
 
 def test_uniform_is_in_open_interval_and_roughly_uniform() -> None:

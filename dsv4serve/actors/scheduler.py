@@ -26,6 +26,7 @@ from dsv4serve.protocol import (
     Drain,
     ErrorCode,
     FailRequest,
+    FinishReason,
     Free,
     FreeReason,
     SampledToken,
@@ -106,18 +107,10 @@ class _Scheduler:
                 message = fin.message or failure
                 await self.tokenizer.send(FailRequest(rid=fin.rid, code=code, message=message))
             else:
-                ids, logprobs = _ids(token)
-                msg = Detokenize(
-                    rid=fin.rid,
-                    token_ids=ids,
-                    finish_reason=fin.finish_reason,
-                    logprobs=logprobs,
-                    num_preemptions=fin.num_preemptions,
-                )
+                msg = _detokenize(fin.rid, token, fin.finish_reason, fin.num_preemptions)
                 await self.tokenizer.send(msg)
         for token in new.values():
-            ids, logprobs = _ids(token)
-            await self.tokenizer.send(Detokenize(rid=token.rid, token_ids=ids, logprobs=logprobs))
+            await self.tokenizer.send(_detokenize(token.rid, token))
 
     async def launch(self) -> None:
         while (plan := self.core.plan()) is not None:
@@ -126,10 +119,20 @@ class _Scheduler:
         self.gauges.running, self.gauges.waiting = self.core.num_running, self.core.num_waiting
 
 
-def _ids(token: SampledToken | None) -> tuple[tuple[int, ...], tuple[float, ...] | None]:
+def _detokenize(
+    rid: str, token: SampledToken | None, finish_reason: FinishReason | None = None, num_preemptions: int = 0
+) -> Detokenize:
+    """The tokenizer's message for `rid`'s new token (none when it ended without one)."""
     if token is None:
-        return (), None
-    return (token.token_id,), None if token.logprob is None else (token.logprob,)
+        return Detokenize(rid=rid, token_ids=(), finish_reason=finish_reason, num_preemptions=num_preemptions)
+    return Detokenize(
+        rid=rid,
+        token_ids=(token.token_id,),
+        finish_reason=finish_reason,
+        logprobs=None if token.logprob is None else (token.logprob,),
+        top_logprobs=None if token.top_logprobs is None else (token.top_logprobs,),
+        num_preemptions=num_preemptions,
+    )
 
 
 async def run_scheduler(

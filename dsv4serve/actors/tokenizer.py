@@ -33,6 +33,7 @@ from dsv4serve.protocol import (
     TokenEvent,
     Tokenized,
     TokenizerMsg,
+    TopLogprobs,
     Usage,
 )
 
@@ -102,10 +103,12 @@ class _Output:
     echo_prompt: bool
     stream: bool
     want_logprobs: bool
+    want_top: bool
     detok: IncrementalDetokenizer
     stops: StopMatcher
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     first_token_at: float | None = None
 
@@ -157,7 +160,10 @@ class _Tokenizer:
         except Exception as exc:
             await self.fault(msg.rid, "detokenize_failed", exc)
             return
-        self.outputs[msg.rid] = _Output(ids, msg.echo_prompt, msg.stream, msg.sampling.logprobs, detok, stops)
+        spec = msg.sampling
+        self.outputs[msg.rid] = _Output(
+            ids, msg.echo_prompt, msg.stream, spec.logprobs, spec.top_logprobs > 0, detok, stops
+        )
         tokenized = Tokenized(
             rid=msg.rid,
             prompt_token_ids=ids,
@@ -185,6 +191,7 @@ class _Tokenizer:
                 return
             out.token_ids += ids
             out.logprobs += msg.logprobs or ()
+            out.top_logprobs += msg.top_logprobs or ()
             if hit and not finishing:
                 await self.scheduler.send(StopHit(rid=msg.rid))
             out.texts.append(text)
@@ -221,6 +228,7 @@ class _Tokenizer:
             usage=usage,
             timing=Timing(ttft_ms=ttft_ms, total_ms=total_ms),
             logprobs=tuple(out.logprobs) if out.want_logprobs else None,
+            top_logprobs=tuple(out.top_logprobs) if out.want_top else None,
             prompt_token_ids=out.prompt_ids if out.echo_prompt else None,
         )
         await self.emit_terminal(rid, event, client)

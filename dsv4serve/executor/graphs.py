@@ -18,14 +18,14 @@ import torch
 
 from dsv4serve.attention.metadata import ForwardBatch, WindowMeta
 from dsv4serve.executor.sampling import SamplingBatch, top_k_of
-from dsv4serve.protocol import StepItem
+from dsv4serve.protocol import MAX_TOP_LOGPROBS, StepItem
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 MIN_CONTEXT = 256
 CONTEXT_STEP_UNTIL = 32768
 MASK32 = 0xFFFFFFFF
 
-StepFn = Callable[[ForwardBatch, SamplingBatch], tuple[torch.Tensor, torch.Tensor]]  # -> (2, B) out, logits
+StepFn = Callable[[ForwardBatch, SamplingBatch], tuple[torch.Tensor, torch.Tensor]]  # -> (2+2k, B), logits
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class GraphKey:
     greedy: bool
     filtered: bool  # some row uses top-k / top-p
     logprobs: bool
+    num_top: int  # 0, or MAX_TOP_LOGPROBS when some request asks for top logprobs (one graph for any n)
 
 
 def is_decode(items: Sequence[StepItem]) -> bool:
@@ -81,10 +82,10 @@ class _Graph:
         )
         self.params = SamplingBatch(
             self.floats[:B], self.floats[B:], v["top_k"], v["seed"], v["sample_pos"],
-            key.greedy, key.filtered, key.logprobs,
+            key.greedy, key.filtered, key.logprobs, key.num_top,
         )  # fmt: skip
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out = self.logits = torch.zeros(0)  # static outputs: (2, B) ids and logprobs, (B, V)
+        self.out = self.logits = torch.zeros(0)  # static outputs: (2 + 2k, B) sampled, (B, V) logits
 
     def upload(self, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int) -> None:
         """Copy the step's inputs (items, then padding) into the static buffers, without waiting: each
@@ -166,13 +167,14 @@ class DecodeGraphs:
             [s.temperature for s in specs], [s.top_p for s in specs], [s.top_k for s in specs]
         )
         logprobs = any(i.sampling.logprobs for i in items)
+        num_top = MAX_TOP_LOGPROBS if any(i.sampling.top_logprobs for i in items) else 0
         context = context_bucket(max(i.seq_len for i in items), self.max_len)
-        return GraphKey(batch, context, greedy, filtered, logprobs)
+        return GraphKey(batch, context, greedy, filtered, logprobs, num_top)
 
     def launch(
         self, key: GraphKey, items: Sequence[StepItem], seeds: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queue the step's replay; returns the graph's static outputs ((2, B) ids and logprobs,
+        """Queue the step's replay; returns the graph's static outputs ((2 + 2k, B) sampled outputs,
         (B, V) logits), valid until its next replay."""
         graph = self.graphs.get(key)
         if graph is None:

@@ -20,14 +20,14 @@ from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.devices import check_device
 from dsv4serve.executor.backends import select_backend
 from dsv4serve.executor.graphs import DecodeGraphs
-from dsv4serve.executor.sampling import SamplingBatch, sample
+from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
 from dsv4serve.memory.paged import PoolSizes
 from dsv4serve.memory.pools import KVPools
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
 from dsv4serve.models.deepseek_v4 import DeepseekV4
 from dsv4serve.models.loader import load_checkpoint
 from dsv4serve.progress import shown
-from dsv4serve.protocol import CacheLocs, SampledToken, StepItem, StepPlan
+from dsv4serve.protocol import CacheLocs, SampledToken, StepItem, StepPlan, TopLogprob
 from dsv4serve.quant import Weight, quantize_weights_int8
 
 
@@ -43,7 +43,7 @@ class PendingStep:
     released meanwhile) and returns the step's result."""
 
     sampled: tuple[StepItem, ...]
-    host: torch.Tensor  # (2, S) float64 ids and logprobs, filled by an asynchronous copy
+    host: torch.Tensor  # (2 + 2k, S) float64 ids, logprobs, k top ids, k top logprobs (async copy)
     done: torch.cuda.Event | None  # recorded after that copy (None on the CPU: already there)
     logits: torch.Tensor | None
 
@@ -60,12 +60,20 @@ class PendingStep:
     def wait(self) -> StepResult:
         if self.done is not None:
             self.done.synchronize()
-        ids, logprobs = self.host.tolist()
-        outputs = tuple(
-            SampledToken(rid=i.rid, token_id=int(t), logprob=lp if i.sampling.logprobs else None)
-            for i, t, lp in zip(self.sampled, ids, logprobs, strict=True)
-        )
+        k = (self.host.shape[0] - 2) // 2
+        columns = self.host.T.tolist()  # (S, 2 + 2k): one sampled request's outputs per row
+        outputs = tuple(_sampled(i, c, k) for i, c in zip(self.sampled, columns, strict=True))
         return StepResult(outputs, self.logits)
+
+
+def _sampled(item: StepItem, out: list[float], k: int) -> SampledToken:
+    """One request's SampledToken from its column of a step's output (ids, logprob, k top pairs)."""
+    spec = item.sampling
+    n = min(spec.top_logprobs, k)
+    top = tuple(TopLogprob(int(out[2 + j]), out[2 + k + j]) for j in range(n)) if n else None
+    return SampledToken(
+        rid=item.rid, token_id=int(out[0]), logprob=out[1] if spec.logprobs else None, top_logprobs=top
+    )
 
 
 def request_seed(rid: str, seed: int | None, engine_seed: int) -> int:
@@ -147,11 +155,10 @@ class ModelRunner:
     def _forward_sample(
         self, batch: ForwardBatch, params: SamplingBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole decode step on the device (what a graph captures): (2, S) ids and logprobs, logits."""
+        """A whole decode step on the device (what a graph captures): (2 + 2k, S) outputs, logits."""
         batch = self._lookahead_inputs(batch)
         logits = self.model.forward(batch, self.pools, self.tables)
-        tokens, logprobs = sample(logits, params)
-        return self._keep_sampled(batch, tokens, logprobs), logits
+        return self._sample(batch, logits, params), logits
 
     def _lookahead_inputs(self, batch: ForwardBatch) -> ForwardBatch:
         """Input ids with every LOOKAHEAD replaced by the token its request's previous step sampled."""
@@ -159,12 +166,16 @@ class ModelRunner:
         kept = self.last_tokens[batch.rows[batch.token_req]]  # (T,)
         return dataclasses.replace(batch, input_ids=torch.where(ids >= 0, ids, kept))
 
-    def _keep_sampled(
-        self, batch: ForwardBatch, tokens: torch.Tensor, logprobs: torch.Tensor
-    ) -> torch.Tensor:
-        """Remember each sampling request's token (a lookahead's input), return ids and logprobs (2, S)."""
+    def _sample(self, batch: ForwardBatch, logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+        """Sample the rows (S, V), remember each request's token (a lookahead's input), and return
+        (2 + 2k, S) float64: ids, logprobs, then k = params.num_top rows of top ids and of top logprobs."""
+        tokens, logprobs = sample(logits, params)
         self.last_tokens[batch.rows[batch.token_req[batch.sample_index]]] = tokens
-        return torch.stack([tokens.double(), logprobs.double()])
+        rows = [tokens[None].double(), logprobs[None].double()]
+        if params.num_top:
+            top_ids, top_lps = top_logprobs(logits, params.num_top)  # (S, k)
+            rows += [top_ids.T.double(), top_lps.T.double()]
+        return torch.cat(rows)
 
     def write_locs(self, locs: Sequence[CacheLocs]) -> None:
         write_cache_locs_batch(self.tables, locs)
@@ -205,6 +216,6 @@ class ModelRunner:
             [i.seq_len for i in sampled],
             self.device,
             want_logprobs=any(i.sampling.logprobs for i in sampled),
+            num_top=max(i.sampling.top_logprobs for i in sampled),
         )
-        tokens, logprobs = sample(rows, params)
-        return PendingStep.of(sampled, self._keep_sampled(batch, tokens, logprobs), kept)
+        return PendingStep.of(sampled, self._sample(batch, rows, params), kept)

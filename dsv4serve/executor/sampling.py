@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen-token logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen-token and top logprobs.
 
 Randomness is counter-based: the uniform draw for (seed, position, token) is a hash of the three,
 so a request's samples depend only on its own seed and positions, never on the batch it shares, on
@@ -36,6 +36,7 @@ class SamplingBatch:
     all_greedy: bool = False  # host-known: skip the random draw
     needs_filter: bool = True  # host-known: some row uses top-k or top-p
     want_logprobs: bool = True  # host-known: some row asked for logprobs (else skip the logsumexp)
+    num_top: int = 0  # host-known: top logprobs per row to report (0: no sort of the vocabulary)
 
     @staticmethod
     def flags(
@@ -55,6 +56,7 @@ class SamplingBatch:
         position: Sequence[int],
         device: torch.device | str,
         want_logprobs: bool = True,
+        num_top: int = 0,
     ) -> SamplingBatch:
         def f(v: Sequence[float]) -> torch.Tensor:
             return to_device(torch.tensor(v, dtype=torch.float32), device)
@@ -72,6 +74,7 @@ class SamplingBatch:
             all_greedy,
             needs_filter,
             want_logprobs,
+            num_top,
         )
 
 
@@ -125,8 +128,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     def logprob(tokens: torch.Tensor) -> torch.Tensor:
         if not params.want_logprobs:
             return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        log_z = torch.logsumexp(logits, dim=-1)  # (S,): chosen logprob = logit - log Z, no log_softmax
-        return logits.gather(1, tokens[:, None]).squeeze(1) - log_z
+        return logits.gather(1, tokens[:, None]).squeeze(1) - log_normalizer(logits)
 
     greedy = argmax_rows(logits)
     if params.all_greedy:
@@ -138,3 +140,19 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     race = probs / -torch.log(uniform(params.seed, params.position, logits.shape[-1]))
     tokens = torch.where(params.temperature > 0, argmax_rows(race), greedy)
     return tokens, logprob(tokens)
+
+
+def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
+    """log Z of each fp32 row (S, V) -> (S,): a logprob is logit - log Z (no (S, V) log_softmax)."""
+    return torch.logsumexp(logits, dim=-1)
+
+
+def top_logprobs(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (S, V) -> the n most likely token ids of each row and their logprobs, (S, n) each.
+
+    The logprobs are `sample`'s (logit - log Z, bit for bit), most likely first; exact ties go to the
+    lowest id (a stable sort: `topk`'s choice among equal values is unspecified).
+    """
+    logits = logits.float()
+    values, ids = logits.sort(dim=-1, descending=True, stable=True)  # (S, V)
+    return ids[:, :n], values[:, :n] - log_normalizer(logits)[:, None]

@@ -32,7 +32,7 @@ from dsv4serve.http.asgi import (
 from dsv4serve.http.generation import Generation, http_error
 from dsv4serve.http.metrics import CONTENT_TYPE, Metrics
 from dsv4serve.http.streams import ChatStream, CompletionStream, Stream
-from dsv4serve.protocol import DoneEvent, ErrorEvent, SamplingSpec, Submit
+from dsv4serve.protocol import TOP_NEEDS_LOGPROBS, DoneEvent, ErrorEvent, SamplingSpec, Submit
 
 DEFAULT_CHAT_MAX_TOKENS = 1024
 MAX_BODY_BYTES = 64 << 20
@@ -126,15 +126,17 @@ class OpenAIApp:
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
                 text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
+                logprobs = req.logprobs is not None
+                top = req.logprobs or 0
                 submits.append(
-                    _submit(
-                        f"{rid}-{p * req.n + j}", text, ids, req, req.max_tokens, j, req.logprobs is not None
-                    )
+                    _submit(f"{rid}-{p * req.n + j}", text, ids, req, req.max_tokens, j, logprobs, top)
                 )
         await self._generate(scope, receive, out, submits, CompletionStream(rid, req, self.handle.decoder))
 
     async def _chat(self, scope: Scope, receive: Receive, out: Responder) -> None:
         req = await self._read(scope, receive, s.ChatRequest)
+        if req.top_logprobs and not req.logprobs:
+            raise HttpError(400, TOP_NEEDS_LOGPROBS, "invalid_request", "top_logprobs")
         prompt = ChatPrompt(
             messages=tuple(req.messages),
             tools=tuple(req.tools or ()),
@@ -149,7 +151,10 @@ class OpenAIApp:
         max_tokens = req.max_completion_tokens or req.max_tokens or self.options.default_chat_max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         submits = [
-            _submit(f"{rid}-{j}", rendered.text, None, req, max_tokens, j, req.logprobs) for j in range(req.n)
+            _submit(
+                f"{rid}-{j}", rendered.text, None, req, max_tokens, j, req.logprobs, req.top_logprobs or 0
+            )
+            for j in range(req.n)
         ]
         stream = ChatStream(rid, req, self.handle.decoder, self.template, rendered)
         await self._generate(scope, receive, out, submits, stream)
@@ -236,11 +241,17 @@ def _submit(
     max_tokens: int,
     j: int,
     logprobs: bool,
+    top_logprobs: int,
 ) -> Submit:
     """One choice's engine request; choice j of a seeded request gets seed + j (choices differ)."""
     seed = None if req.seed is None else req.seed + j
     spec = SamplingSpec(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed, logprobs=logprobs
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     return Submit(
         rid=rid,

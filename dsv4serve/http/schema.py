@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, TypeAlias
 import msgspec
 
 from dsv4serve.chat.messages import ChatMessage, ToolChoice, ToolSpec
-from dsv4serve.protocol import TokenId
+from dsv4serve.protocol import MAX_TOP_LOGPROBS, TokenId
 
 MAX_N = 16  # choices per request
 Temperature = Annotated[float, msgspec.Meta(ge=0)]
@@ -27,6 +27,7 @@ TokenPrompt = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
 # a text, token ids, or a list of texts or of id lists (msgspec takes one array type: `prompts` checks)
 Prompt: TypeAlias = str | Annotated[list[str | TokenId | TokenPrompt], msgspec.Meta(min_length=1)]
 Penalty = Annotated[float, msgspec.Meta(ge=0, le=0)]  # accepted only at 0 (penalties are not supported)
+NumTop = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,7 +56,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     prompt: Prompt
     max_tokens: MaxTokens = 16
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=0)] | None = None  # 0: the chosen tokens' logprobs
+    logprobs: NumTop | None = None  # n: the chosen tokens' logprobs and the n most likely per position
     echo: Literal[False] = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -75,7 +76,7 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=0)] | None = None
+    top_logprobs: NumTop | None = None  # needs logprobs: true
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -95,7 +96,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: None = None
+    top_logprobs: list[dict[str, float]] | None = None  # token text -> logprob, most likely first
     text_offset: list[int] = []
 
 
@@ -115,11 +116,17 @@ class CompletionResponse(msgspec.Struct, frozen=True, kw_only=True):
     usage: Usage | None = None
 
 
+class TopLogprobOut(msgspec.Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[Any] = []
+    top_logprobs: list[TopLogprobOut] = []
 
 
 class ChatLogprobs(msgspec.Struct, frozen=True, kw_only=True):

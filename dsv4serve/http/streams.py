@@ -2,7 +2,7 @@
 
 A chat choice's text goes through the template's output parser, so reasoning, content and tool
 calls come out as their own deltas (tool arguments as they are generated) and no tool-call markup
-reaches `content`. Streamed logprobs arrive in each choice's last chunk.
+reaches `content`. Streamed logprobs (and top logprobs) arrive in each choice's last chunk.
 """
 
 from __future__ import annotations
@@ -42,6 +42,16 @@ def _tokens(decoder: SupportsDecode, ids: tuple[int, ...]) -> list[str]:
     return [str(decoder.decode([i], skip_special_tokens=False)) for i in ids]
 
 
+def _top_tokens(decoder: SupportsDecode, done: DoneEvent) -> list[list[tuple[str, float]]]:
+    """Each position's top logprobs as (token text, logprob), most likely first; [] without them."""
+    if done.top_logprobs is None:
+        return [[] for _ in done.token_ids]
+    return [
+        list(zip(_tokens(decoder, tuple(t.token_id for t in row)), (t.logprob for t in row), strict=True))
+        for row in done.top_logprobs
+    ]
+
+
 class _Base:
     def __init__(self, rid: str, req: s.CompletionRequest | s.ChatRequest, decoder: SupportsDecode) -> None:
         self.id, self.model, self.created = rid, req.model, int(time.time())
@@ -73,7 +83,10 @@ class CompletionStream(_Base):
             return None
         tokens = _tokens(self._decoder, done.token_ids)
         offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
-        return s.CompletionLogprobs(tokens=tokens, token_logprobs=list(done.logprobs), text_offset=offsets)
+        tops = None if done.top_logprobs is None else [dict(row) for row in _top_tokens(self._decoder, done)]
+        return s.CompletionLogprobs(
+            tokens=tokens, token_logprobs=list(done.logprobs), top_logprobs=tops, text_offset=offsets
+        )
 
     def chunks(self, index: int, event: TokenEvent | DoneEvent) -> list[object]:
         if isinstance(event, TokenEvent):
@@ -178,9 +191,15 @@ class ChatStream(_Base):
         if done.logprobs is None:
             return None
         tokens = _tokens(self._decoder, done.token_ids)
+        tops = _top_tokens(self._decoder, done)
         content = [
-            s.TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-            for t, lp in zip(tokens, done.logprobs, strict=True)
+            s.TokenLogprob(
+                token=t,
+                logprob=lp,
+                bytes=list(t.encode()),
+                top_logprobs=[s.TopLogprobOut(token=x, logprob=y, bytes=list(x.encode())) for x, y in top],
+            )
+            for t, lp, top in zip(tokens, done.logprobs, tops, strict=True)
         ]
         return s.ChatLogprobs(content=content)
 
