@@ -119,6 +119,48 @@ def test_chat_plain_stream_equals_whole(client: openai.OpenAI) -> None:
     )
 
 
+def test_top_logprobs_chat_and_completions_whole_and_streamed(
+    served: ServedModel, client: openai.OpenAI
+) -> None:
+    messages: Any = [{"role": "user", "content": "Hello"}]
+    chat: Any = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0}
+    whole = client.chat.completions.create(**chat, logprobs=True, top_logprobs=3)
+    streamed = list(client.chat.completions.create(**chat, logprobs=True, top_logprobs=3, stream=True))
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 5
+    for entry in content:  # greedy: the chosen token is the likeliest, with the same logprob
+        top = entry.top_logprobs
+        assert len(top) == 3 and (top[0].token, top[0].logprob) == (entry.token, entry.logprob)
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert all(t.bytes == list(t.token.encode()) and t.logprob <= 0 for t in top)
+    last = streamed[-1].choices[0].logprobs
+    assert last is not None and last.content == content  # streamed: all in the choice's last chunk
+    plain = client.chat.completions.create(**chat, logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content or [])  # type: ignore[union-attr]
+
+    ids = [0, *served.encode("The capital of France is")]
+    done = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, logprobs=4)
+    lp = done.choices[0].logprobs
+    assert (
+        lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and len(lp.top_logprobs) == 4
+    )
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 4 and next(iter(top.items())) == (token, chosen)  # ids alike share a text
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=ids, max_tokens=4, temperature=0, logprobs=4, stream=True
+        )
+    )
+    assert chunks[-1].choices[0].logprobs == lp
+    for bad in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**chat, **bad)
+        assert err.value.status_code == 400 and "top_logprobs" in str(err.value.body)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="tiny", prompt="x", logprobs=21)
+    wait_free(served)
+
+
 def test_chat_stream_tool_call_with_reasoning(served: ServedModel, client: openai.OpenAI) -> None:
     served.forced.script = served.encode(tool_call_text("I should look it up.", "Checking."))
     stream = client.chat.completions.create(

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from dsv4serve import protocol as p
 
-SAMPLING = p.SamplingSpec(temperature=0.7, top_p=0.9, top_k=40, seed=123, logprobs=True)
+SAMPLING = p.SamplingSpec(temperature=0.7, top_p=0.9, top_k=40, seed=123, logprobs=True, top_logprobs=2)
+TOP = (p.TopLogprob(5, -0.25), p.TopLogprob(9, -1.5))
 PLAN = p.StepPlan(
     step=7,
     items=(
@@ -63,6 +64,7 @@ PUBLIC: list[tuple[Any, Any]] = [
             usage=USAGE,
             timing=TIMING,
             logprobs=(-0.5, -1.25),
+            top_logprobs=(TOP, TOP[::-1]),
         ),
         p.Event,
     ),
@@ -90,7 +92,10 @@ INTERNAL: list[tuple[Any, Any]] = [
         p.TokenizerMsg,
     ),
     (p.Detokenize(rid="r1", token_ids=(5, 6)), p.TokenizerMsg),
-    (p.Detokenize(rid="r1", token_ids=(7,), finish_reason="stop", logprobs=(-0.1,)), p.TokenizerMsg),
+    (
+        p.Detokenize(rid="r1", token_ids=(7,), finish_reason="stop", logprobs=(-0.1,), top_logprobs=(TOP,)),
+        p.TokenizerMsg,
+    ),
     (p.FailRequest(rid="r9", code="unknown_id", message="id: no request 'r9'"), p.TokenizerMsg),
     (p.Drain(), p.TokenizerMsg),
     (
@@ -101,7 +106,10 @@ INTERNAL: list[tuple[Any, Any]] = [
     (
         p.StepDone(
             step=7,
-            outputs=(p.SampledToken(rid="a", token_id=5, logprob=-0.25), p.SampledToken(rid="b", token_id=0)),
+            outputs=(
+                p.SampledToken(rid="a", token_id=5, logprob=-0.25, top_logprobs=TOP),
+                p.SampledToken(rid="b", token_id=0),
+            ),
             ran=("a", "b", "c"),
             failed=(p.RequestFailure(rid="d", message="NaN logits"),),
         ),

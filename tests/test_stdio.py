@@ -132,6 +132,8 @@ def test_bad_lines_get_one_error_each_and_valid_requests_end_once(
         (generate("f1", prompt="x", bogus=1), "f1", "invalid_request"),
         (generate("v1", prompt_token_ids=[5, 10**6]), "v1", "invalid_request"),
         (generate("p1", prompt="x", top_p=0), "p1", "invalid_request"),
+        (generate("t1", prompt="x", logprobs=True, top_logprobs=21), "t1", "invalid_request"),
+        (generate("t2", prompt="x", top_logprobs=2), "t2", "invalid_request"),
         (line({"type": "cancel", "id": "nope"}), "nope", "unknown_id"),
         (b'\xff\xfe{"type": "stats"}', None, "invalid_request"),
         (b'[{"type": "stats"}]', None, "invalid_request"),
@@ -144,7 +146,16 @@ def test_bad_lines_get_one_error_each_and_valid_requests_end_once(
     good = [
         generate("g1", prompt="The capital of France is", max_tokens=12),
         generate("g2", prompt_token_ids=[0, 5, 6, 7], max_tokens=4, stream=True),
-        generate("g3", prompt="Hello", max_tokens=5, logprobs=True, temperature=0.8, seed=3, stop=["zz"]),
+        generate(
+            "g3",
+            prompt="Hello",
+            max_tokens=5,
+            logprobs=True,
+            top_logprobs=3,
+            temperature=0.8,
+            seed=3,
+            stop=["zz"],
+        ),
         line({"type": "stats"}),
     ]
     lines = [good[0], *(b for b, _, _ in bad_lines[:6]), b"", *good[1:], *(b for b, _, _ in bad_lines[6:])]
@@ -169,7 +180,14 @@ def test_bad_lines_get_one_error_each_and_valid_requests_end_once(
     assert done["g1"]["finish_reason"] == "length" and len(done["g1"]["token_ids"]) == 12
     streamed = [t for e in events if e["type"] == "token" and e["id"] == "g2" for t in e["token_ids"]]
     assert streamed == done["g2"]["token_ids"] and len(streamed) == 4
-    assert len(done["g3"]["logprobs"]) == len(done["g3"]["token_ids"])
+    assert len(done["g3"]["logprobs"]) == len(done["g3"]["token_ids"]) == len(done["g3"]["top_logprobs"])
+    g3 = done["g3"]
+    for chosen, lp, top in zip(g3["token_ids"], g3["logprobs"], g3["top_logprobs"], strict=True):
+        assert len(top) == 3 and [x[1] for x in top] == sorted((x[1] for x in top), reverse=True)
+        assert all(x[1] == lp for x in top if x[0] == chosen) and lp <= top[0][1]  # [token_id, logprob]
+    assert "top_logprobs" not in done["g1"] and "logprobs" not in done["g1"]
+    messages = {e["id"]: e["message"] for e in events if e["type"] == "error"}
+    assert messages["t1"].startswith("top_logprobs") and messages["t2"].startswith("top_logprobs: needs")
     assert done["g2"]["usage"] == {"prompt_tokens": 4, "completion_tokens": 4}
     assert not [e for e in events if e["type"] == "token" and e["id"] != "g2"]  # only g2 streams
 

@@ -52,6 +52,14 @@ def _top_tokens(decoder: SupportsDecode, done: DoneEvent) -> list[list[tuple[str
     ]
 
 
+def _by_text(row: list[tuple[str, float]]) -> dict[str, float]:
+    """The completions API's top logprobs: text -> logprob; ids that decode alike keep the likeliest."""
+    out: dict[str, float] = {}
+    for text, logprob in row:
+        out.setdefault(text, logprob)
+    return out
+
+
 class _Base:
     def __init__(self, rid: str, req: s.CompletionRequest | s.ChatRequest, decoder: SupportsDecode) -> None:
         self.id, self.model, self.created = rid, req.model, int(time.time())
@@ -83,7 +91,9 @@ class CompletionStream(_Base):
             return None
         tokens = _tokens(self._decoder, done.token_ids)
         offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
-        tops = None if done.top_logprobs is None else [dict(row) for row in _top_tokens(self._decoder, done)]
+        tops = None
+        if done.top_logprobs is not None:
+            tops = [_by_text(row) for row in _top_tokens(self._decoder, done)]
         return s.CompletionLogprobs(
             tokens=tokens, token_logprobs=list(done.logprobs), top_logprobs=tops, text_offset=offsets
         )
