@@ -265,7 +265,7 @@ def _load_model_config(model_dir: Path) -> None:
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     door = p.add_mutually_exclusive_group()
-    door.add_argument("--stdio", action="store_true", help="JSON lines on stdin / stdout (the default)")
+    door.add_argument("--stdio", action="store_true", help="JSON lines on stdin / stdout (default transport)")
     door.add_argument("--http", action="store_true", help="an OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1", help="--http: the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="--http: the port (0 = any free one)")
