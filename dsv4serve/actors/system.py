@@ -31,8 +31,9 @@ from dsv4serve.actors.kv_writer import WriteLocsFn, run_kv_writer
 from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.tokenizer import Client, Clients, run_tokenizer
 from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
+from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory import KVAllocator, write_cache_locs_batch
 from dsv4serve.protocol import (
     AllocatorMsg,
@@ -71,7 +72,7 @@ class SystemOptions:
 class Parts:
     """What the actors drive, built once; tests substitute fakes for the two device functions."""
 
-    model: ModelConfig
+    model: ServedModelConfig
     allocator: KVAllocator
     encode: Callable[[str], list[int]]
     decoder: SupportsDecode
