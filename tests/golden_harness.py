@@ -27,10 +27,16 @@ class Trace:
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
-def reference_traces(model_dir: Path, prompts: Sequence[Sequence[int]], max_new: int) -> list[Trace]:
-    from transformers import DeepseekV4ForCausalLM
+def reference_traces(
+    model_dir: Path,
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    model_class: str = "DeepseekV4ForCausalLM",
+) -> list[Trace]:
+    import transformers
 
-    model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cls = getattr(transformers, model_class)
+    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     traces = []
     with torch.inference_mode():
         for prompt in prompts:
