@@ -11,11 +11,9 @@ max |logit difference| <= 1e-3 at every position.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from golden_harness import Trace, compare, engine_traces, random_chunker, reference_traces
 
 from dsv4serve import Engine, SamplingParams

@@ -13,16 +13,18 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dsv4serve.config import ConfigError, EngineConfig, ModelConfig
 from dsv4serve.layout import ServedModelConfig
-from dsv4serve.memory.paged import PoolSizes
-from dsv4serve.quant import Weight
 
-Weights = dict[str, Weight]
+if TYPE_CHECKING:  # the registry imports without torch (the CLI lists its model types)
+    import torch
+
+    from dsv4serve.memory.paged import PoolSizes
+    from dsv4serve.quant import Weight
+
+Weights = dict[str, "Weight"]
 Shape = tuple[int, ...]
 
 
@@ -40,6 +42,7 @@ class ModelSpec:
     make_pools: Callable[[Any, PoolSizes, EngineConfig], Any]
     make_tiny: Callable[..., Path]  # (out_dir, seed, **config overrides) -> the checkpoint directory
     cuda_graphs: bool = False  # whether the executor may capture its decode steps
+    fp32_weight: Callable[[str], bool] | None = None  # kept in fp32 (sizing_layout's plan); DSV4: sizing.py
 
 
 # ------------------------------------------------------------------------------------- DeepSeek-V4
@@ -52,6 +55,8 @@ def _dsv4_load(model_dir: Path, cfg: Any, dtype: torch.dtype, device: str, fp4_e
 
 
 def _dsv4_build(cfg: Any, weights: Weights, engine: EngineConfig, ops: Any) -> ServedModel:
+    import torch
+
     from dsv4serve.attention.rope import RopeTables
     from dsv4serve.models.deepseek_v4 import DeepseekV4
 
@@ -138,7 +143,14 @@ SPECS: dict[str, ModelSpec] = {
         cuda_graphs=True,
     ),
     "glm4_moe_lite": ModelSpec(
-        "glm4_moe_lite", _glm_parse, _glm_schema, _glm_load, _glm_build, _glm_pools, _glm_tiny
+        "glm4_moe_lite",
+        _glm_parse,
+        _glm_schema,
+        _glm_load,
+        _glm_build,
+        _glm_pools,
+        _glm_tiny,
+        fp32_weight=lambda name: name.endswith(("e_score_correction_bias", "mlp.gate.weight")),
     ),
 }
 MODEL_TYPES = tuple(SPECS)
