@@ -126,3 +126,19 @@ def test_demo_streams_a_tiny_glm_through_the_actors(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "tiny glm4_moe_lite checkpoint" in out.stdout and "summary: 4 requests" in out.stdout
     assert out.stdout.count("] + ") >= 4
+
+
+def test_glm_text_prompts_get_no_bos(tmp_path: Path) -> None:
+    from dsv4serve import Engine, SamplingParams
+    from dsv4serve.actors.tokenizer_core import load_tokenizer
+
+    model_dir = make_tiny_glm(tmp_path, 7, vocab_size=129280)
+    tok = load_tokenizer(model_dir, require_bos=False)
+    with Engine(model_dir, dtype="float32", max_total_tokens=512, max_num_seqs=2) as eng:
+        (c,) = eng.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0))
+        first = c.token_ids[0]
+        (stopped,) = eng.generate(
+            [list(c.prompt_token_ids)], SamplingParams(max_tokens=3, temperature=0, stop_token_ids=(first,))
+        )
+    assert list(c.prompt_token_ids) == tok.encode("The capital of France is", add_special_tokens=False)
+    assert stopped.finish_reason == "stop" and list(stopped.token_ids) in ([], [first])

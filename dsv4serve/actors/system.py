@@ -35,6 +35,7 @@ from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory import KVAllocator, write_cache_locs_batch
+from dsv4serve.models.registry import spec_for
 from dsv4serve.protocol import (
     AllocatorMsg,
     CacheLocs,
@@ -83,7 +84,9 @@ class Parts:
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
     if options.prebuilt is not None:
         return options.prebuilt
-    return ModelRunner(options.model_dir, options.engine), load_tokenizer(options.model_dir)
+    runner = ModelRunner(options.model_dir, options.engine)
+    bos = spec_for(runner.model_cfg.model_type).prompt_bos
+    return runner, load_tokenizer(options.model_dir, require_bos=bos)
 
 
 def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
@@ -107,7 +110,7 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
     return Parts(
         model=runner.model_cfg,
         allocator=KVAllocator(runner.model_cfg, runner.engine, runner.sizes),
-        encode=partial(encode_prompt, tok),
+        encode=partial(encode_prompt, tok, prepend_bos=spec_for(runner.model_cfg.model_type).prompt_bos),
         decoder=tok,
         write_locs=write_locs,
         launch=launch,

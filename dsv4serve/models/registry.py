@@ -42,6 +42,7 @@ class ModelSpec:
     make_pools: Callable[[Any, PoolSizes, EngineConfig], Any]
     make_tiny: Callable[..., Path]  # (out_dir, seed, **config overrides) -> the checkpoint directory
     cuda_graphs: bool = False  # whether the executor may capture its decode steps
+    prompt_bos: bool = True  # raw completion prompts start with BOS (GLM's start with nothing)
     fp32_weight: Callable[[str], bool] | None = None  # kept in fp32 (sizing_layout's plan); DSV4: sizing.py
 
 
@@ -150,6 +151,7 @@ SPECS: dict[str, ModelSpec] = {
         _glm_build,
         _glm_pools,
         _glm_tiny,
+        prompt_bos=False,
         fp32_weight=lambda name: name.endswith(("e_score_correction_bias", "mlp.gate.weight")),
     ),
 }
