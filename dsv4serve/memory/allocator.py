@@ -65,7 +65,10 @@ _Window = tuple[int, int, int, int, int]
 class KVAllocator:
     """Owns every pool's free pages and every request's pages and table row.
 
-    A step takes a request from prefix_len to seq_len cached tokens and gets, in position order:
+    The pools are those of the model's `kv_layout` (layout.py), by kind: raw (full, and swa with its
+    window), compressed (c4, c128), state (c4_state, c128_state); a field the layout lacks stays
+    empty. For DeepSeek-V4 (all six pools; GLM has only full)
+    a step takes a request from prefix_len to seq_len cached tokens and gets, in position order:
       full, swa    raw positions [prefix, seq)
       c4           compressed indices [prefix // 4, seq // 4)        (if the model has ratio-4 layers)
       c128         compressed indices [prefix // R, seq // R)        (R = hca_ratio, if > 0)
