@@ -38,7 +38,7 @@ def load_by_schema(
 ) -> dict[str, Weight]:
     """Every expected tensor cast to `dtype` (or fp32 where `fp32(name)`), experts stacked, on `device`."""
     files = checkpoint_files(Path(model_dir))
-    headers = {n: e for n, e in read_headers(files).items() if not skip(n)}
+    headers = {n: e for n, e in read_headers(files, dsv4_names=False).items() if not skip(n)}
     missing = [n for n in expected if n not in headers]
     unexpected = sorted(set(headers) - set(expected))
     if missing:
