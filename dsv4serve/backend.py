@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4serve import mhc
-from dsv4serve.attention import core, reference
+from dsv4serve.attention import core, mla, reference
 from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.attention.hadamard import hadamard_transform
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.attention.step import StepMeta, prepare_step
 from dsv4serve.moe.experts import routed_experts_reference
-from dsv4serve.moe.routing import route
+from dsv4serve.moe.routing import gating_top_k, route
 from dsv4serve.quant import Weight, linear
 
 if TYPE_CHECKING:
@@ -61,6 +61,13 @@ class Backend:
     route: Callable[..., tuple[Tensor, Tensor]]  # routing.route's keywords -> (weights, expert ids)
     routed_experts: Callable[..., Tensor]
     hadamard: Callable[[Tensor], Tensor]
+    # MLA (attention/mla.py) and the npu_moe_gating_top_k router (moe/routing.py): GLM-4.7-Flash's families
+    qkv_split_norm: Callable[..., mla.QkvLatents] = mla.qkv_split_norm
+    mla_store: Callable[[Tensor, mla.MlaMeta, Tensor, Tensor], None] = mla.store_latents
+    mla_attention: Callable[[Tensor, Tensor, Tensor, Tensor, mla.MlaMeta, mla.MlaDims], Tensor] = (
+        mla.mla_attention
+    )
+    gating_top_k: Callable[..., tuple[Tensor, Tensor]] = gating_top_k
 
 
 REFERENCE = Backend(

@@ -31,6 +31,7 @@ from dsv4serve.logs import LEVELS
 from dsv4serve.logs import configure as configure_logs
 from dsv4serve.memory.sizing import WEIGHT_FORMATS, plan
 from dsv4serve.memory.sizing_table import render_plan
+from dsv4serve.models.registry import MODEL_TYPES
 from dsv4serve.params import SamplingParams
 from dsv4serve.protocol import RequestError
 
@@ -152,7 +153,26 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    model = ModelConfig.from_json_file(args.config) if args.config else ModelConfig.from_dir(args.model)
+    from dsv4serve.models.registry import config_from_dir, config_from_json_file, spec_for
+
+    model = config_from_json_file(args.config) if args.config else config_from_dir(args.model)
+    if not isinstance(model, ModelConfig):  # a family sized from its KV layout and weight schema
+        from dsv4serve.memory.sizing_layout import plan_layout, render_layout_plan
+
+        spec = spec_for(model.model_type)
+        assert spec.fp32_weight is not None, model.model_type
+        generic = plan_layout(
+            model,
+            spec.schema(model),
+            spec.fp32_weight,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            max_running=args.max_running,
+            hbm_gib=args.hbm_gib,
+            num_devices=args.devices,
+        )
+        print(json.dumps(generic.to_dict()) if args.json else render_layout_plan(generic))
+        return 0
     result = plan(
         model,
         dtype=args.dtype,
@@ -172,6 +192,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, metavar="OUT", help="directory to write the checkpoint into")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    p.add_argument("--model", choices=MODEL_TYPES, default="deepseek_v4", help="the model family")
     p.add_argument(
         "--quant",
         choices=("w8a8",),
@@ -181,10 +202,12 @@ def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_make_tiny(args: argparse.Namespace) -> int:
-    from dsv4serve.models.tiny import make_tiny  # torch is heavy: import only when asked
+    from dsv4serve.models.registry import spec_for  # torch is heavy: import only when asked
 
+    if args.model != "deepseek_v4" and args.quant:
+        return _fail(f"dsv4serve make-tiny: error: --quant is for deepseek_v4 only, not {args.model}")
     quant = {"quant": args.quant} if args.quant else {}  # the float call stays make_tiny(out, seed)
-    print(make_tiny(args.out, args.seed, **quant))
+    print(spec_for(args.model).make_tiny(args.out, args.seed, **quant))
     return 0
 
 
@@ -257,7 +280,9 @@ def _engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _load_model_config(model_dir: Path) -> None:
-    ModelConfig.from_dir(model_dir)  # a bad model directory is a one-line usage error, before any work
+    from dsv4serve.models.registry import config_from_dir
+
+    config_from_dir(model_dir)  # a bad model directory is a one-line usage error, before any work
 
 
 # ------------------------------------------------------------------------------------------- serve
@@ -265,7 +290,7 @@ def _load_model_config(model_dir: Path) -> None:
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     door = p.add_mutually_exclusive_group()
-    door.add_argument("--stdio", action="store_true", help="JSON lines on stdin / stdout (the default)")
+    door.add_argument("--stdio", action="store_true", help="JSON lines on stdin / stdout (default transport)")
     door.add_argument("--http", action="store_true", help="an OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1", help="--http: the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="--http: the port (0 = any free one)")
@@ -338,6 +363,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--model-type", choices=MODEL_TYPES, default="deepseek_v4", help="the tiny model's family")
     _engine_arguments(p, model=False)
     p.set_defaults(max_total_tokens=4096)
 
@@ -349,7 +375,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         return _fail(f"dsv4serve demo: error: {exc}")
     cache = args.cache_dir or demo.default_cache_dir()
     configure_logs(args.log_level, stream=sys.stderr)
-    return demo.run(cache, args.max_tokens, args.temperature, _engine_knobs(args))
+    return demo.run(cache, args.max_tokens, args.temperature, _engine_knobs(args), args.model_type)
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from dsv4serve.layout import BufferSpec, KVLayout, PoolSpec, ServedModelConfig
+
 LAYER_TYPE_TO_RATIO = {
     "sliding_attention": 0,
     "compressed_sparse_attention": 4,
@@ -101,6 +103,51 @@ class ModelConfig:
 
     def layers_with_ratio(self, ratio: int) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.compress_ratios) if r == ratio)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """DSV4's six pools (memory/sizing.py sizes them, memory/pools.py allocates their buffers)."""
+        dim, idim, hca = self.head_dim, self.index_head_dim, self.hca_ratio
+        c4, c128 = self.c4_layers, self.c128_layers
+        pools = [
+            PoolSpec("full", "raw"),
+            PoolSpec(
+                "swa",
+                "raw",
+                window=self.sliding_window,
+                buffers=(BufferSpec("swa", dim, tuple(range(self.num_layers))),),
+            ),
+        ]
+        if c4:
+            pools.append(
+                PoolSpec(
+                    "c4",
+                    "compressed",
+                    4,
+                    buffers=(BufferSpec("c4", dim, c4), BufferSpec("c4_index", idim, c4)),
+                )
+            )
+        if hca:
+            pools.append(PoolSpec("c128", "compressed", hca, buffers=(BufferSpec("c128", dim, c128),)))
+        if c4:
+            pools.append(
+                PoolSpec(
+                    "c4_state",
+                    "state",
+                    4,
+                    buffers=(
+                        BufferSpec("c4_state", 4 * dim, c4, fp32=True),
+                        BufferSpec("c4_index_state", 4 * idim, c4, fp32=True),
+                    ),
+                )
+            )
+        if hca:
+            pools.append(
+                PoolSpec(
+                    "c128_state", "state", hca, buffers=(BufferSpec("c128_state", 2 * dim, c128, fp32=True),)
+                )
+            )
+        return KVLayout(tuple(pools))
 
     @staticmethod
     def coff(ratio: int) -> int:
@@ -415,7 +462,7 @@ class EngineConfig:
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
 
-    def resolved_max_model_len(self, model: ModelConfig) -> int:
+    def resolved_max_model_len(self, model: ServedModelConfig) -> int:
         limit = self.max_model_len or model.max_position_embeddings
         return min(limit, model.max_position_embeddings, self.max_total_tokens)
 

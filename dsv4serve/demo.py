@@ -35,14 +35,21 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DSV4SERVE_CACHE") or Path.home() / ".cache" / "dsv4serve")
 
 
-def run(cache: Path, max_tokens: int, temperature: float, knobs: Mapping[str, Any]) -> int:
-    """The demo on the tiny checkpoint under `cache`; `knobs` are AsyncEngine's keyword arguments."""
+def run(
+    cache: Path,
+    max_tokens: int,
+    temperature: float,
+    knobs: Mapping[str, Any],
+    model_type: str = "deepseek_v4",
+) -> int:
+    """The demo on the tiny checkpoint of `model_type` under `cache`; `knobs` are AsyncEngine's keyword
+    arguments."""
     import trio
 
     from dsv4serve.api import AsyncEngine
 
-    model_dir, built = tiny_checkpoint(cache, seed=0)
-    print(f"tiny DeepSeek-V4 checkpoint: {model_dir} ({'built' if built else 'cached'})", flush=True)
+    model_dir, built = tiny_checkpoint(cache, seed=0, model_type=model_type)
+    print(f"tiny {model_type} checkpoint: {model_dir} ({'built' if built else 'cached'})", flush=True)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     engine = AsyncEngine(model_dir, **knobs)
     print(
@@ -64,11 +71,14 @@ def summary(completions: list[Completion], seconds: float) -> str:
     )
 
 
-def tiny_checkpoint(cache: Path, seed: int) -> tuple[Path, bool]:
-    """The tiny checkpoint `cache/tiny-seed{seed}`, built on first use; (path, whether it was built)."""
-    from dsv4serve.models.tiny import make_tiny
+def tiny_checkpoint(cache: Path, seed: int, model_type: str = "deepseek_v4") -> tuple[Path, bool]:
+    """The tiny checkpoint `cache/tiny-seed{seed}` (`cache/{model_type}-tiny-seed{seed}` for other
+    families), built on first use; (path, whether it was built)."""
+    from dsv4serve.models.registry import spec_for
 
-    target = cache / f"tiny-seed{seed}"
+    make_tiny = spec_for(model_type).make_tiny
+    prefix = "" if model_type == "deepseek_v4" else f"{model_type}-"
+    target = cache / f"{prefix}tiny-seed{seed}"
     if (target / "config.json").is_file():
         return target, False
     cache.mkdir(parents=True, exist_ok=True)

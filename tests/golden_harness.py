@@ -58,17 +58,24 @@ def patch_indexer_tie_rule(model: torch.nn.Module) -> int:
     return len(scorers)
 
 
-def reference_model(model_dir: Path) -> torch.nn.Module:
-    """transformers' model of `model_dir` in fp32, eval mode, its indexer on the engine's tie rule."""
-    from transformers import DeepseekV4ForCausalLM
+def reference_model(model_dir: Path, model_class: str = "DeepseekV4ForCausalLM") -> torch.nn.Module:
+    """transformers' model of `model_dir` in fp32, eval mode; a DeepSeek-V4 one's indexer on the
+    engine's tie rule."""
+    import transformers
 
-    model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    patch_indexer_tie_rule(model)
+    model = getattr(transformers, model_class).from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model_class == "DeepseekV4ForCausalLM":
+        patch_indexer_tie_rule(model)
     return model
 
 
-def reference_traces(model_dir: Path, prompts: Sequence[Sequence[int]], max_new: int) -> list[Trace]:
-    model = reference_model(model_dir)
+def reference_traces(
+    model_dir: Path,
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    model_class: str = "DeepseekV4ForCausalLM",
+) -> list[Trace]:
+    model = reference_model(model_dir, model_class)
     traces = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -23,5 +23,11 @@ def test_every_kernel_compiles_for_sm90() -> None:
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert not report["failures"] and report["compiled"] > 50
     kernels = ("_sparse_attention_kernel", "_split_partials_kernel", "_combine_splits_kernel")
-    for kernel in (*kernels, "_close_windows_kernel", "_gate_up_kernel", "_route_kernel"):
+    for kernel in (
+        *kernels,
+        "_close_windows_kernel",
+        "_gate_up_kernel",
+        "_route_kernel",
+        "_split_norm_kernel",
+    ):
         assert report["kernels"].get(kernel, 0) > 0, kernel

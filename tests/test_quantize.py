@@ -157,7 +157,7 @@ def test_quantize_refuses_a_non_empty_output_and_bad_formats(
 ) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    assert cli.main(["quantize", str(small), str(tmp_path / "full"), "--format", MS]) == 1
+    assert cli.main(["quantize", str(small), str(tmp_path / "full"), "--format", MS]) == 2  # a user error
     assert "exists and is not empty" in capsys.readouterr().err
     assert cli.main(["quantize", str(small), str(tmp_path / "o"), "--format", "int4"]) == 2
     assert "--format" in capsys.readouterr().err

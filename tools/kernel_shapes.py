@@ -61,6 +61,11 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
     meta = case.fused
     x = torch.randn(T, hidden).to(tdt)
     ops.rms_norm(x, torch.ones(hidden, dtype=tdt), 1e-6)
+    for q_lora in (768, None):  # GLM-4.7-Flash's fused split + q_a / kv_a norm
+        q_norm = torch.ones(q_lora) if q_lora else None
+        ops.qkv_split_norm(
+            torch.randn(T, (q_lora or 0) + 576).to(tdt), q_norm, torch.ones(512), q_lora, 512, 1e-6
+        )
     q = ops.q_norm_rope(torch.randn(T, H, D).to(tdt), meta, True, 1e-6)
     ops.rope(q, meta, True, True)
     layer4, layer128 = cfg.compress_ratios.index(4), cfg.compress_ratios.index(cfg.hca_ratio)

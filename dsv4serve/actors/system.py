@@ -31,9 +31,11 @@ from dsv4serve.actors.kv_writer import WriteLocsFn, run_kv_writer
 from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.tokenizer import Client, Clients, run_tokenizer
 from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer, max_token_chars
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
+from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory import KVAllocator, write_cache_locs_batch
+from dsv4serve.models.registry import config_from_dir, spec_for
 from dsv4serve.protocol import (
     AllocatorMsg,
     CacheLocs,
@@ -72,7 +74,7 @@ class SystemOptions:
 class Parts:
     """What the actors drive, built once; tests substitute fakes for the two device functions."""
 
-    model: ModelConfig
+    model: ServedModelConfig
     allocator: KVAllocator
     encode: Callable[[str], list[int]]
     decoder: SupportsDecode
@@ -84,7 +86,10 @@ class Parts:
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
     if options.prebuilt is not None:
         return options.prebuilt
-    tokenizer = load_tokenizer(options.model_dir)  # first: a bad tokenizer fails before the weights load
+    bos = spec_for(config_from_dir(options.model_dir).model_type).prompt_bos
+    tokenizer = load_tokenizer(
+        options.model_dir, require_bos=bos
+    )  # first: a bad one fails before the weights
     return ModelRunner(options.model_dir, options.engine), tokenizer
 
 
@@ -109,7 +114,7 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
     return Parts(
         model=runner.model_cfg,
         allocator=KVAllocator(runner.model_cfg, runner.engine, runner.sizes),
-        encode=partial(encode_prompt, tok),
+        encode=partial(encode_prompt, tok, prepend_bos=spec_for(runner.model_cfg.model_type).prompt_bos),
         decoder=tok,
         max_token_chars=max_token_chars(tok),
         write_locs=write_locs,

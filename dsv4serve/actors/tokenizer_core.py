@@ -49,8 +49,10 @@ class SupportsDecode(Protocol):
 # ---------------------------------------------------------------- loading / raw prompts
 
 
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
-    """Load the fast tokenizer from `tokenizer.json` + `tokenizer_config.json` in `model_dir`."""
+def load_tokenizer(model_dir: Path, require_bos: bool = True) -> PreTrainedTokenizerFast:
+    """Load the fast tokenizer from `tokenizer.json` + `tokenizer_config.json` in `model_dir`.
+
+    `require_bos`: the model's raw prompts start with BOS (DeepSeek-V4; GLM's have none)."""
     missing = [name for name in TOKENIZER_FILES if not (Path(model_dir) / name).is_file()]
     if missing:
         raise TokenizerError(f"tokenizer files missing in {model_dir}: {', '.join(missing)}")
@@ -60,7 +62,7 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
         raise TokenizerError(f"cannot load tokenizer from {model_dir}: {exc}") from exc
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise TokenizerError(f"{model_dir}: expected a fast tokenizer, got {type(tok).__name__}")
-    if tok.bos_token_id is None:
+    if require_bos and tok.bos_token_id is None:
         raise TokenizerError(f"{model_dir}: tokenizer config defines no bos_token")
     return tok
 
@@ -71,8 +73,8 @@ def max_token_chars(tok: PreTrainedTokenizerFast) -> int:
     return max(len(tok.convert_tokens_to_string([t])) for t in tok.get_vocab())
 
 
-def encode_prompt(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
-    """Ids of a raw completion prompt: BOS + text.
+def encode_prompt(tok: PreTrainedTokenizerFast, text: str, prepend_bos: bool = True) -> list[int]:
+    """Ids of a raw completion prompt: BOS + text (just the text's ids when not `prepend_bos`).
 
     The config says `add_bos_token: false`, but DeepSeek prompts always start with BOS, so it is
     prepended here, unless `text` already starts with the BOS string (then it is not doubled).
@@ -84,6 +86,8 @@ def encode_prompt(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
         check_text("prompt", text)
     except ValueError as exc:
         raise TokenizerError(str(exc)) from None
+    if not prepend_bos:
+        return list(tok.encode(text, add_special_tokens=False))
     bos_id, bos_text = tok.bos_token_id, tok.bos_token
     if bos_id is None or not isinstance(bos_text, str):
         raise TokenizerError("tokenizer has no bos_token")

@@ -13,6 +13,7 @@ from types import ModuleType
 
 from dsv4serve.backend import REFERENCE, Backend
 from dsv4serve.moe.npu import npu_routed_experts
+from dsv4serve.moe.npu_routing import npu_gating_top_k
 from dsv4serve.quant_npu import npu_linear
 
 
@@ -62,4 +63,5 @@ def npu_backend(npu: ModuleType) -> Backend:
         name="npu",
         linear=partial(npu_linear, npu=npu),
         routed_experts=partial(npu_routed_experts, npu=npu, fallback=REFERENCE.routed_experts),
+        gating_top_k=partial(npu_gating_top_k, npu=npu, fallback=REFERENCE.gating_top_k),
     )

@@ -14,19 +14,16 @@ from pathlib import Path
 import torch
 
 from dsv4serve.attention.metadata import BatchItem, ForwardBatch, build_forward_batch
-from dsv4serve.attention.rope import RopeTables
 from dsv4serve.backend import Backend
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.config import EngineConfig
 from dsv4serve.devices import check_device
 from dsv4serve.executor.backends import select_backend
 from dsv4serve.executor.graphs import DecodeGraphs
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
+from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory.paged import PoolSizes
-from dsv4serve.memory.pools import KVPools
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
-from dsv4serve.models.deepseek_v4 import DeepseekV4
-from dsv4serve.models.loader import load_checkpoint
-from dsv4serve.progress import shown
+from dsv4serve.models.registry import config_from_dir, spec_for
 from dsv4serve.protocol import CacheLocs, SampledToken, StepItem, StepPlan, TopLogprob
 from dsv4serve.quant import Weight, quantize_weights_int8
 
@@ -92,23 +89,17 @@ class ModelRunner:
         ops: Backend | None = None,
     ) -> None:
         """Load a checkpoint; `ops` overrides the device's backend (tests run Triton's on CPU tensors)."""
-        cfg = ModelConfig.from_dir(model_dir)
+        cfg = config_from_dir(model_dir)
         check_device(engine.device)
         dtype = getattr(torch, engine.torch_dtype_name)
-        weights = load_checkpoint(
-            Path(model_dir),
-            cfg,
-            dtype=dtype,
-            device=engine.device,
-            fp4_experts=engine.fp4_experts,
-            progress=shown,
-        )
+        spec = spec_for(cfg.model_type)
+        weights = spec.load(Path(model_dir), cfg, dtype, engine.device, engine.fp4_experts)
         self._build(cfg, weights, engine, sizes, ops)
 
     @classmethod
     def from_weights(
         cls,
-        cfg: ModelConfig,
+        cfg: ServedModelConfig,
         weights: dict[str, Weight],
         engine: EngineConfig,
         sizes: PoolSizes | None = None,
@@ -121,7 +112,7 @@ class ModelRunner:
 
     def _build(
         self,
-        cfg: ModelConfig,
+        cfg: ServedModelConfig,
         weights: dict[str, Weight],
         engine: EngineConfig,
         sizes: PoolSizes | None,
@@ -131,17 +122,18 @@ class ModelRunner:
         self.device = torch.device(engine.device)
         self.ops: Backend = ops or select_backend(engine.device)
         self.sizes = sizes or PoolSizes.for_engine(cfg, engine)
-        self.pools = KVPools(cfg, self.sizes, engine)
+        spec = spec_for(cfg.model_type)
+        self.pools = spec.make_pools(cfg, self.sizes, engine)
         self.tables = SlotTables(cfg, engine, self.device)
         if engine.weight_quant == "int8":
             weights = quantize_weights_int8(weights)
-        rope = RopeTables.build(cfg, engine.resolved_max_model_len(cfg) + 1, self.device)
-        self.model = DeepseekV4(cfg, weights, rope, self.ops)
-        self.ratios = cfg.compress_ratio_set
-        self.tables.point_pad_row_at({p: self.pools.state_sentinel[p] for p in ("c4_state", "c128_state")})
+        self.model = spec.build(cfg, weights, engine, self.ops)
+        compressed = [p.ratio for p in cfg.kv_layout.pools if p.index == "compressed"]
+        self.ratios = tuple(sorted(compressed))
+        self.tables.point_pad_row_at(self.pools.state_sentinel)
         self.last_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphs | None = None
-        if engine.graphs and self.device.type == "cuda":
+        if engine.graphs and self.device.type == "cuda" and spec.cuda_graphs:
             max_len = engine.resolved_max_model_len(cfg)
             self.graphs = DecodeGraphs(
                 self._forward_sample,

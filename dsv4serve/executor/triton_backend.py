@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from dsv4serve import mhc_triton, quant_triton
-from dsv4serve.attention import compressor_triton, indexer_triton, norm_rope_triton, sparse_triton
+from dsv4serve.attention import compressor_triton, indexer_triton, mla_triton, norm_rope_triton, sparse_triton
 from dsv4serve.attention.hadamard import hadamard_transform
 from dsv4serve.attention.step import prepare_step
 from dsv4serve.backend import Backend
@@ -29,5 +29,6 @@ def triton_backend() -> Backend:
         hc_post=mhc_triton.hc_post,
         route=partial(routing_triton.route, linear=quant_triton.linear),
         routed_experts=experts_triton.routed_experts,
+        qkv_split_norm=mla_triton.qkv_split_norm,  # MLA's attention and store, and gating_top_k: reference
         hadamard=hadamard_transform,
     )

@@ -9,7 +9,8 @@ import heapq
 from array import array
 from dataclasses import dataclass
 
-from dsv4serve.config import EngineConfig, ModelConfig, ring_size
+from dsv4serve.config import EngineConfig, ring_size
+from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory.paged import POOL_NAMES, PagePool, PageRun, PoolSizes, keep_start
 from dsv4serve.protocol import SLOT_DTYPE, CacheLocs
 
@@ -64,7 +65,10 @@ _Window = tuple[int, int, int, int, int]
 class KVAllocator:
     """Owns every pool's free pages and every request's pages and table row.
 
-    A step takes a request from prefix_len to seq_len cached tokens and gets, in position order:
+    The pools are those of the model's `kv_layout` (layout.py), by kind: raw (full, and swa with its
+    window), compressed (c4, c128), state (c4_state, c128_state); a field the layout lacks stays
+    empty. For DeepSeek-V4 (all six pools; GLM has only full)
+    a step takes a request from prefix_len to seq_len cached tokens and gets, in position order:
       full, swa    raw positions [prefix, seq)
       c4           compressed indices [prefix // 4, seq // 4)        (if the model has ratio-4 layers)
       c128         compressed indices [prefix // R, seq // R)        (R = hca_ratio, if > 0)
@@ -84,22 +88,22 @@ class KVAllocator:
     sentinel bank is row max_num_seqs.
     """
 
-    def __init__(self, model: ModelConfig, engine: EngineConfig, sizes: PoolSizes | None = None) -> None:
+    def __init__(
+        self, model: ServedModelConfig, engine: EngineConfig, sizes: PoolSizes | None = None
+    ) -> None:
         self.sizes = sizes or PoolSizes.for_engine(model, engine)
         self.page_size = engine.page_size
         self.max_num_seqs = engine.max_num_seqs
         self.max_model_len = engine.resolved_max_model_len(model)
         self.ring = engine.state_mode == "ring"
-        self._window_len = model.sliding_window
-        self._hca = model.hca_ratio
-        has_c4 = 4 in model.compress_ratio_set
-        self._ratios = (0, 0, 4 if has_c4 else 0, self._hca, 4 if has_c4 else 0, self._hca)
+        layout = model.kv_layout
+        self._specs = tuple(layout.get(name) for name in POOL_NAMES)
+        self._ratios = tuple(s.ratio if s is not None and s.index != "raw" else 0 for s in self._specs)
         self._rings = tuple(ring_size(r) if r else 0 for r in self._ratios)
         self._pools = tuple(PagePool(self.sizes.pages(name), self.page_size) for name in POOL_NAMES)
-        self._compressed = tuple(p for p in (C4, C128) if self._ratios[p])
-        states = () if self.ring else (C4_STATE, C128_STATE)
-        self._paged_states = tuple(p for p in states if self._ratios[p])
-        self._paged = (FULL, SWA, *self._compressed, *self._paged_states)
+        self._ring_states = tuple(p for p in (C4_STATE, C128_STATE) if self.ring and self._ratios[p])
+        present = [POOL_NAMES.index(spec.name) for spec in layout.pools]  # layout order
+        self._paged = tuple(p for p in present if p not in self._ring_states)
         self._free_rows = list(range(engine.max_num_seqs))
         self._reqs: dict[str, _Request] = {}
 
@@ -123,9 +127,10 @@ class KVAllocator:
         return len(self._reqs)
 
     def usage(self) -> dict[str, PoolUsage]:
+        """Every slot-message field; a pool the model's layout lacks has capacity 0."""
         out = {}
         for p, name in enumerate(POOL_NAMES):
-            if self.ring and p >= C4_STATE:
+            if p in self._ring_states:
                 ring = self._rings[p]
                 out[name] = PoolUsage(len(self._reqs) * ring, self.max_num_seqs * ring)
             else:
@@ -184,15 +189,19 @@ class KVAllocator:
         return None
 
     def _windows(self, prefix: int, seq: int) -> list[_Window]:
-        swa_keep = max(0, prefix - self._window_len + 1)
-        out: list[_Window] = [(FULL, prefix, seq, 0, 0), (SWA, prefix, seq, swa_keep, swa_keep)]
-        for p in self._compressed:
-            ratio = self._ratios[p]
-            out.append((p, prefix // ratio, seq // ratio, 0, 0))
-        for p in self._paged_states:
-            ratio = self._ratios[p]
-            step_keep = keep_start(ratio, seq)
-            out.append((p, max(prefix, step_keep), seq, keep_start(ratio, prefix), step_keep))
+        out: list[_Window] = []
+        for p in self._paged:
+            spec = self._specs[p]
+            assert spec is not None
+            ratio = spec.ratio
+            if spec.index == "raw":
+                keep = max(0, prefix - spec.window + 1) if spec.window else 0
+                out.append((p, prefix, seq, keep, keep))
+            elif spec.index == "compressed":
+                out.append((p, prefix // ratio, seq // ratio, 0, 0))
+            else:
+                step_keep = keep_start(ratio, seq)
+                out.append((p, max(prefix, step_keep), seq, keep_start(ratio, prefix), step_keep))
         return out
 
     def _plan(self, rid: str, req: _Request, windows: list[_Window]) -> list[tuple[int, int]] | Refusal:
@@ -227,11 +236,9 @@ class KVAllocator:
             run, pool = req.runs[p], self._pools[p]
             run.evict(evict, pool)
             fields[POOL_NAMES[p]] = run.extend(lo, hi, take, pool).tobytes()
-        if self.ring:
-            for p in (C4_STATE, C128_STATE):
-                if self._ratios[p]:
-                    lo = max(prefix, keep_start(self._ratios[p], seq))
-                    fields[POOL_NAMES[p]] = ring_slots(req.row, self._rings[p], lo, seq).tobytes()
+        for p in self._ring_states:
+            lo = max(prefix, keep_start(self._ratios[p], seq))
+            fields[POOL_NAMES[p]] = ring_slots(req.row, self._rings[p], lo, seq).tobytes()
         return CacheLocs(step=step, rid=rid, row=req.row, prefix_len=prefix, seq_len=seq, **fields)
 
     def assert_consistent(self) -> None:

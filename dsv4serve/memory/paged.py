@@ -12,7 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.config import EngineConfig
+from dsv4serve.layout import POOL_FIELDS, ServedModelConfig
 from dsv4serve.protocol import SLOT_DTYPE
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 N = TypeVar("N", int, "torch.Tensor")
 
-POOL_NAMES = ("full", "swa", "c4", "c128", "c4_state", "c128_state")
+POOL_NAMES = POOL_FIELDS
 STATE_POOLS = ("c4_state", "c128_state")
 
 
@@ -53,7 +54,7 @@ class PoolSizes:
         return int(getattr(self, pool))
 
     @classmethod
-    def for_engine(cls, model: ModelConfig, engine: EngineConfig) -> PoolSizes:
+    def for_engine(cls, model: ServedModelConfig, engine: EngineConfig) -> PoolSizes:
         """The engine's sizes; the formulas live in memory/sizing.py."""
         from dsv4serve.memory.sizing import engine_pool_sizes
 

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dsv4serve.config import ConfigError, EngineConfig, ModelConfig, npu_state_pool_size, ring_size
-from dsv4serve.memory.paged import PoolSizes
+from dsv4serve.layout import ServedModelConfig
+from dsv4serve.memory.paged import POOL_NAMES, PoolSizes
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -97,26 +98,29 @@ def swa_slots_per_request(model: ModelConfig, page_size: int) -> int:
     return swa_pages_per_request(model, page_size) * page_size
 
 
-def engine_pool_sizes(model: ModelConfig, engine: EngineConfig) -> PoolSizes:
-    """Pages per pool for an engine (sentinel page excluded).
+def engine_pool_sizes(model: ServedModelConfig, engine: EngineConfig) -> PoolSizes:
+    """Pages per pool of the model's KV layout for an engine (sentinel page excluded; 0 if no pool).
 
-    full: max_total_tokens. swa: every running request's window, plus the step's token budget and one
-    partly filled page per request for prefill chunks. c4 / c128: the compressed share of full plus one
-    partly filled page per request. State: npu_state_pool_size (paged) or max_num_seqs + 1 rings.
+    full (raw, every position): max_total_tokens. A windowed raw pool (swa): every running request's
+    window, plus the step's token budget and one partly filled page per request for prefill chunks.
+    Compressed (c4 / c128): the compressed share of full plus one partly filled page per request.
+    State: npu_state_pool_size (paged) or max_num_seqs + 1 rings.
     """
     page, seqs = engine.page_size, engine.max_num_seqs
-    hca, has_c4 = model.hca_ratio, 4 in model.compress_ratio_set
     full = math.ceil(engine.max_total_tokens / page)
     chunk_pages = math.ceil(engine.max_num_batched_tokens / page) + seqs
-    swa = min(full, seqs * swa_pages_per_request(model, page) + chunk_pages)
-    return PoolSizes(
-        full=full,
-        swa=swa,
-        c4=math.ceil(engine.max_total_tokens / 4 / page) + seqs if has_c4 else 0,
-        c128=math.ceil(engine.max_total_tokens / hca / page) + seqs if hca else 0,
-        c4_state=_engine_state_pages(4, engine) if has_c4 else 0,
-        c128_state=_engine_state_pages(hca, engine) if hca else 0,
-    )
+    pages = dict.fromkeys(POOL_NAMES, 0)
+    for spec in model.kv_layout.pools:
+        if spec.index == "raw" and spec.window:
+            window_pages = math.ceil((spec.window - 1) / page) + 1
+            pages[spec.name] = min(full, seqs * window_pages + chunk_pages)
+        elif spec.index == "raw":
+            pages[spec.name] = full
+        elif spec.index == "compressed":
+            pages[spec.name] = math.ceil(engine.max_total_tokens / spec.ratio / page) + seqs
+        else:
+            pages[spec.name] = _engine_state_pages(spec.ratio, engine)
+    return PoolSizes(**pages)
 
 
 def _engine_state_pages(ratio: int, engine: EngineConfig) -> int:

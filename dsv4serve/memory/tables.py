@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.config import EngineConfig
 from dsv4serve.devices import to_device
+from dsv4serve.layout import PoolSpec, ServedModelConfig
 from dsv4serve.memory.paged import POOL_NAMES
 from dsv4serve.protocol import CacheLocs
 
@@ -27,19 +28,16 @@ class SlotTables:
     so every slot they address is a sentinel (`point_pad_row_at` sets its state entries).
     """
 
-    def __init__(self, model: ModelConfig, engine: EngineConfig, device: str | torch.device | None = None):
+    def __init__(
+        self, model: ServedModelConfig, engine: EngineConfig, device: str | torch.device | None = None
+    ):
         rows, length = engine.max_num_seqs + 1, engine.resolved_max_model_len(model)
         self.pad_row = engine.max_num_seqs
-        self.hca_ratio = model.hca_ratio
+        layout = model.kv_layout
+        self.hca_ratio = layout.ratio("c128")
+        self.ratios = {p.name: p.ratio for p in layout.pools if p.index == "compressed"}
         dev = torch.device(device if device is not None else engine.device)
-        widths = {
-            "full": length,
-            "swa": length,
-            "c4": length // 4 + 1,
-            "c128": length // self.hca_ratio + 1 if self.hca_ratio else 1,
-            "c4_state": length,
-            "c128_state": length,
-        }
+        widths = {name: _width(layout.get(name), length) for name in POOL_NAMES}
         # one buffer, each table a view of it: a step's writes to every table are one indexed store
         self.flat = torch.zeros(rows * sum(widths.values()), dtype=torch.int32, device=dev)
         self.base, self.width, offset = {}, widths, 0
@@ -64,15 +62,21 @@ class SlotTables:
         """The logical index of the first slot of `pool` in `locs`."""
         if pool in ("full", "swa"):
             return locs.prefix_len
-        if pool == "c4":
-            return locs.prefix_len // 4
-        if pool == "c128":
-            return locs.prefix_len // self.hca_ratio if self.hca_ratio else 0
+        if pool in ("c4", "c128"):
+            ratio = self.ratios.get(pool, 0)
+            return locs.prefix_len // ratio if ratio else 0
         return locs.seq_len - locs.count(pool)
 
     def clear_row(self, row: int) -> None:
         for pool in POOL_NAMES:
             self.table(pool)[row].zero_()
+
+
+def _width(spec: PoolSpec | None, length: int) -> int:
+    """A table's columns: one per logical index a request of `length` tokens can have (1 if no pool)."""
+    if spec is None:
+        return 1
+    return length // spec.ratio + 1 if spec.index == "compressed" else length
 
 
 def _slots_tensor(data: bytes) -> torch.Tensor:

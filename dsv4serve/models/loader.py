@@ -218,15 +218,22 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from None
 
 
-def read_headers(files: list[Path]) -> dict[str, HeaderEntry]:
-    """Every tensor of every file by its official name (transformers' names mapped, its stacked experts
-    split per expert); two tensors with one official name are an error."""
+def read_headers(files: list[Path], dsv4_names: bool = True) -> dict[str, HeaderEntry]:
+    """Every tensor of every file by its official DeepSeek-V4 name (transformers' names mapped, its
+    stacked experts split per expert), or without `dsv4_names` by its name without a `model.` prefix;
+    two tensors with one name are an error."""
     out: dict[str, HeaderEntry] = {}
     for file in files:
         with _open(file) as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 part = handle.get_slice(key)
-                for name, entry in _entries(file, key, tuple(part.get_shape()), part.get_dtype()):
+                shape, dtype = tuple(part.get_shape()), part.get_dtype()
+                entries = (
+                    _entries(file, key, shape, dtype)
+                    if dsv4_names
+                    else [(key.removeprefix("model."), HeaderEntry(file, key, shape, dtype))]
+                )
+                for name, entry in entries:
                     if name in out:
                         first = out[name]
                         raise CheckpointError(

@@ -42,3 +42,52 @@ def route(
     weights = scores.gather(1, ids)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+NORM_TYPES = {0: "softmax", 1: "sigmoid", 2: "sqrtsoftplus"}  # npu_moe_gating_top_k's norm_type
+
+
+def gating_top_k(
+    x: torch.Tensor,
+    k: int,
+    *,
+    bias: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
+    k_group: int = 1,
+    group_count: int = 1,
+    group_select_mode: int = 0,
+    renorm: int = 0,
+    norm_type: int = 0,
+    routed_scaling_factor: float = 1.0,
+    eps: float = 1e-20,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract of `torch_npu.npu_moe_gating_top_k` on router logits x (T, E) (its reference,
+    shared/reference/torch_npu_ops.md 1.1): (weights (T, k) in x's dtype, expert ids (T, k) int32).
+
+    Scores s = norm_type's function of x in fp32; `bias` shifts the selection only. Hash routing
+    (`input_ids` + `tid2eid`) takes the table's experts. Otherwise, with groups, each group is scored
+    by its max (group_select_mode 0) or the sum of its top 2 (mode 1) of the biased scores, the best
+    `k_group` groups are kept (ties to the lower group), and the top k of the kept experts are chosen
+    (ties to the lower expert id). Weights are the unbiased scores, divided by their sum (+ eps) for
+    sigmoid and sqrtsoftplus (never for softmax), times `routed_scaling_factor`.
+    """
+    assert renorm == 0, "npu_moe_gating_top_k requires renorm == 0"
+    t, e = x.shape
+    assert e % group_count == 0 and 1 <= k_group <= group_count, (e, group_count, k_group)
+    scores = score_fn(x.float(), NORM_TYPES[norm_type])  # (T, E)
+    if input_ids is not None and tid2eid is not None:
+        ids = tid2eid[input_ids.long()].long()  # (T, k)
+    else:
+        sel = scores if bias is None else scores + bias.float()
+        if group_count > 1:
+            grouped = sel.view(t, group_count, e // group_count)
+            group_score = grouped.amax(-1) if group_select_mode == 0 else grouped.topk(2, -1).values.sum(-1)
+            keep = torch.sort(-group_score, dim=-1, stable=True).indices[:, :k_group]  # (T, k_group)
+            mask = torch.zeros(t, group_count, dtype=torch.bool, device=x.device).scatter_(1, keep, True)
+            sel = sel.masked_fill(~mask.repeat_interleave(e // group_count, 1), float("-inf"))
+        ids = torch.sort(-sel, dim=-1, stable=True).indices[:, :k]  # descending, ties to the lower id
+    weights = scores.gather(1, ids)
+    if norm_type in (1, 2):
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    return (weights * routed_scaling_factor).to(x.dtype), ids.int()

@@ -1,0 +1,94 @@
+"""A model's KV layout: the pools it caches into, declared as data that the memory layer reads.
+
+Every pool is one slot space (paged, `PoolSizes` pages of `page_size` slots; page 0 the sentinel) and
+one field of the per-request slot message (`CacheLocs`). A pool's `index` says which of a request's
+logical indices keep a slot there:
+  raw         raw positions [0, seq); with `window` W > 0 only the last W stay live (pages below are
+              evicted), 0 = all of them
+  compressed  compressed indices [0, seq // ratio): one per closed window of `ratio` raw tokens
+  state       raw positions from `keep_start(ratio, seq)`: the compressor's open window(s)
+Its buffers are per layer: each of `layers` holds one row of `width` elements per slot, in the KV
+dtype or fp32. A pool without buffers is an address space only (DSV4's `full`).
+
+The allocator, the slot tables, the engine's sizing and the KV writer work from this declaration;
+the model's math reads the buffers the model spec allocates from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+PoolIndex = Literal["raw", "compressed", "state"]
+POOL_FIELDS = ("full", "swa", "c4", "c128", "c4_state", "c128_state")  # the slot message's fields
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    name: str
+    width: int  # elements per slot per layer
+    layers: tuple[int, ...]
+    fp32: bool = False  # else the engine's KV dtype
+
+    def bytes_per_slot(self, kv_bytes: int) -> int:
+        return len(self.layers) * self.width * (4 if self.fp32 else kv_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    name: str  # one of POOL_FIELDS
+    index: PoolIndex
+    ratio: int = 1  # raw tokens per logical index (compressed, state)
+    window: int = 0  # raw pools: the live window, 0 = every position
+    buffers: tuple[BufferSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.name in POOL_FIELDS, f"pool {self.name!r} is not a slot-message field"
+        assert self.ratio >= 1 and self.window >= 0, self
+
+    def bytes_per_slot(self, kv_bytes: int) -> int:
+        return sum(b.bytes_per_slot(kv_bytes) for b in self.buffers)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    pools: tuple[PoolSpec, ...]
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.pools]
+        assert len(set(names)) == len(names), f"duplicate pools in {names}"
+        assert names and names[0] == "full" and self.pools[0].index == "raw" and not self.pools[0].window
+
+    def get(self, name: str) -> PoolSpec | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+    def has(self, name: str) -> bool:
+        return self.get(name) is not None
+
+    def ratio(self, name: str) -> int:
+        """The pool's ratio, 0 when the model has no such pool."""
+        spec = self.get(name)
+        return spec.ratio if spec is not None else 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.pools)
+
+
+class ServedModelConfig(Protocol):
+    """What the engine outside the model math needs of any model family's config."""
+
+    @property
+    def model_type(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def torch_dtype(self) -> str: ...
+    @property
+    def kv_layout(self) -> KVLayout: ...

@@ -1,0 +1,40 @@
+"""Device buffers of any KV layout (`layout.py`), in Ascend PA_ND layout [pages + 1, P, 1, width].
+
+One buffer per (buffer spec, layer); page 0 of every pool is the skip sentinel. A slot id addresses
+the same row in every layer's buffer of its pool. DSV4 keeps its own `KVPools` (the same shapes, with
+its compressor-state initialisation); a model whose pools need no initial values uses this one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4serve.config import EngineConfig
+from dsv4serve.layout import KVLayout
+from dsv4serve.memory.paged import PoolSizes
+
+
+class LayoutBuffers:
+    """buffers[name][layer] for every buffer of every pool of `layout`, sized by `sizes`."""
+
+    def __init__(self, layout: KVLayout, sizes: PoolSizes, engine: EngineConfig) -> None:
+        dev, size = torch.device(engine.device), engine.page_size
+        dtype = getattr(torch, engine.torch_dtype_name)
+        assert all(p.index != "state" for p in layout.pools), "state pools need KVPools' initial values"
+        self.buffers: dict[str, dict[int, torch.Tensor]] = {}
+        for pool in layout.pools:
+            pages = sizes.pages(pool.name)
+            for b in pool.buffers:
+                kind = torch.float32 if b.fp32 else dtype
+                self.buffers[b.name] = {
+                    layer: torch.zeros(pages + 1, size, 1, b.width, dtype=kind, device=dev)
+                    for layer in b.layers
+                }
+        self.state_sentinel: dict[str, int] = {}  # no state pools
+
+    def flat(self, name: str) -> dict[int, torch.Tensor]:
+        """Each layer's buffer of `name` as [slots, width]: row = slot id."""
+        return {layer: t.view(-1, t.shape[-1]) for layer, t in self.buffers[name].items()}
+
+    def nbytes(self) -> dict[str, int]:
+        return {n: sum(t.numel() * t.element_size() for t in ts.values()) for n, ts in self.buffers.items()}

@@ -1,0 +1,140 @@
+"""GLM's op families on fresh random inputs: the two MLA forms, the fused split + q/kv norm, the router."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4serve.attention.core import rms_norm
+from dsv4serve.attention.metadata import BatchItem, build_forward_batch
+from dsv4serve.attention.mla import MlaDims, mla_attention, mla_meta, qkv_split_norm, rope_inv_freq
+from dsv4serve.moe.routing import gating_top_k, route
+
+DIMS = MlaDims(
+    num_heads=3,
+    q_lora_rank=16,
+    kv_lora_rank=20,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=6,
+    v_head_dim=10,
+    norm_eps=1e-6,
+    softmax_scale=14**-0.5,
+)
+
+
+def test_absorbed_and_non_absorbed_attention_agree_and_skip_poisoned_rows() -> None:
+    """Decode tokens (one per request) through both forms; slots no request owns hold NaN."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 5, 12, 3]
+    rows_table = torch.zeros(5, 16, dtype=torch.int32)
+    cache = torch.full((80, DIMS.latent_width), float("nan"))
+    slot = 1
+    for b, n in enumerate(lens):
+        for p in range(n):
+            rows_table[b, p] = slot
+            cache[slot] = torch.randn(DIMS.latent_width, generator=gen)
+            slot += 1
+    items = [BatchItem(b, n - 1, [7], True) for b, n in enumerate(lens)]
+    batch = build_forward_batch(items, (), "cpu")
+    meta = mla_meta(batch, rows_table, rope_inv_freq(DIMS.qk_rope_head_dim, 10000.0, "cpu"))
+    assert meta.decode
+    q_nope = torch.randn(4, 3, 8, generator=gen)
+    q_pe = torch.randn(4, 3, 6, generator=gen)
+    kv_b = torch.randn(3 * 18, 20, generator=gen) / 4
+    absorbed = mla_attention(q_nope, q_pe, cache, kv_b, meta, DIMS)
+    plain = mla_attention(q_nope, q_pe, cache, kv_b, dataclasses.replace(meta, decode=False), DIMS)
+    assert torch.isfinite(absorbed).all()
+    torch.testing.assert_close(absorbed, plain, rtol=1e-5, atol=1e-5)
+    # the spec: per request, dense attention over its own rows
+    w = kv_b.view(3, 18, 20)
+    for b, n in enumerate(lens):
+        rows = cache[rows_table[b, :n].long()]  # (n, L + rope)
+        k = torch.cat(
+            [torch.einsum("nl,hdl->hnd", rows[:, :20], w[:, :8]), rows[None, :, 20:].expand(3, -1, -1)], -1
+        )
+        v = torch.einsum("nl,hdl->hnd", rows[:, :20], w[:, 8:])
+        q = torch.cat([q_nope[b], q_pe[b]], -1)[:, None]  # (H, 1, 14)
+        probs = torch.softmax((q @ k.transpose(1, 2)) * DIMS.softmax_scale, -1)
+        torch.testing.assert_close(absorbed[b], (probs @ v)[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q_lora", "no_q_lora"])
+def test_fused_split_norm_gives_every_output_of_the_unfused_path(q_lora_rank: int | None) -> None:
+    """One GEMM on q_a_proj | kv_a_proj_with_mqa then the fused op == the reference model's separate
+    projections and norms: q latent (when there is one), kv latent and the rope key k_pe."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 32, generator=gen)
+    kv_a = torch.randn(26, 32, generator=gen)
+    kv_norm = torch.rand(20, generator=gen) + 0.5
+    q_a = torch.randn(16, 32, generator=gen) if q_lora_rank else None
+    q_norm = torch.rand(16, generator=gen) + 0.5 if q_lora_rank else None
+    fused_w = torch.cat([q_a, kv_a]) if q_a is not None else kv_a
+    got = qkv_split_norm(F.linear(x, fused_w), q_norm, kv_norm, q_lora_rank, 20, 1e-6)
+    kv_out = F.linear(x, kv_a)
+    torch.testing.assert_close(got.kv, rms_norm(kv_out[:, :20], kv_norm, 1e-6))
+    torch.testing.assert_close(got.k_pe, kv_out[:, 20:])
+    assert got.k_pe.shape == (9, 6)
+    if q_a is None:
+        assert got.q is None
+    else:
+        assert q_norm is not None and got.q is not None
+        torch.testing.assert_close(got.q, rms_norm(F.linear(x, q_a), q_norm, 1e-6))
+
+
+def test_gating_top_k_matches_glm_router_grouped() -> None:
+    from transformers import Glm4MoeLiteConfig
+    from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteTopkRouter
+
+    cfg = Glm4MoeLiteConfig(
+        hidden_size=24,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.8,
+        num_hidden_layers=2,
+    )
+    router = Glm4MoeLiteTopkRouter(cfg)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 24, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.3)
+    x = torch.randn(50, 24, generator=gen)
+    _, ref_w, ref_ids = router(x)
+    w, ids = gating_top_k(
+        F.linear(x, router.weight),
+        4,
+        bias=router.e_score_correction_bias,
+        k_group=2,
+        group_count=4,
+        group_select_mode=1,
+        norm_type=1,
+        routed_scaling_factor=1.8,
+    )
+    order, ref_order = ids.long().sort(-1), ref_ids.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
+
+
+def test_gating_top_k_is_dsv4_route_for_sqrtsoftplus_and_hash() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, gate = torch.randn(20, 16, generator=gen), torch.randn(8, 16, generator=gen)
+    bias = torch.randn(8, generator=gen)
+    ref_w, ref_ids = route(x, gate, top_k=3, scoring="sqrtsoftplus", scaling=1.5, bias=bias)
+    w, ids = gating_top_k(F.linear(x, gate), 3, bias=bias, norm_type=2, routed_scaling_factor=1.5)
+    order, ref_order = ids.long().sort(-1), ref_ids.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
+    tid2eid = torch.rand(30, 8, generator=gen).argsort(1)[:, :3]
+    input_ids = torch.randint(0, 30, (20,), generator=gen)
+    ref_w, ref_ids = route(
+        x, gate, top_k=3, scoring="sqrtsoftplus", scaling=1.5, tid2eid=tid2eid, input_ids=input_ids
+    )
+    w, ids = gating_top_k(
+        F.linear(x, gate), 3, input_ids=input_ids, tid2eid=tid2eid, norm_type=2, routed_scaling_factor=1.5
+    )
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w, ref_w)
