@@ -174,4 +174,4 @@ def compare(ref: Trace, got: Trace) -> float:
     """Max |logit difference| over every position; asserts the same greedy tokens."""
     assert got.tokens == ref.tokens, f"tokens differ:\nref {ref.tokens}\ngot {got.tokens}"
     assert len(got.logits) == len(ref.logits)
-    return max(float((a - b).abs().max()) for a, b in zip(ref.logits, got.logits, strict=True))
+    return max(float((a - b.to(a.device)).abs().max()) for a, b in zip(ref.logits, got.logits, strict=True))

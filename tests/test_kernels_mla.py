@@ -4,6 +4,7 @@ against the reference backend (MLA attention and the router run the reference th
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.executor.triton_backend import triton_backend
 from dsv4serve.models.tiny_glm import make_tiny_glm
-from tests.kernel_cases import on_device
+from tests.kernel_cases import DEVICE, on_device
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -49,7 +50,8 @@ def test_glm_on_the_triton_backend_matches_the_reference_backend(tmp_path: Path)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 19)]
     engine = EngineConfig(device="cpu", dtype="float32", page_size=4, max_num_seqs=3, max_total_tokens=256)
     want = engine_traces(model_dir, prompts, 4, engine, chunk=random_chunker(5, 3, 9))
-    runner = ModelRunner(model_dir, engine, ops=triton_backend())
-    got = engine_traces(model_dir, prompts, 4, engine, chunk=random_chunker(5, 3, 9), runner=runner)
+    on_test_device = dataclasses.replace(engine, device=DEVICE)  # the interpreter on CPU, else the GPU
+    runner = ModelRunner(model_dir, on_test_device, ops=triton_backend())
+    got = engine_traces(model_dir, prompts, 4, on_test_device, chunk=random_chunker(5, 3, 9), runner=runner)
     worst = max(compare(w, g) for w, g in zip(want, got, strict=True))
     assert worst <= 1e-4, worst
