@@ -71,6 +71,53 @@ def _attend(q, acc, m, s_sum, pool_ptr, slot, valid, d, dmask, D, scale, FP32: t
 
 
 @triton.jit
+def _num_entries(pos, RATIO, NUM_IDX, HAS_CMP: tl.constexpr, HAS_IDX: tl.constexpr):
+    """How many compressed entries a token at `pos` attends to: its indexer's picks (padded with -1)
+    or every visible one; 0 on a window-only layer."""
+    n = pos * 0
+    if HAS_CMP:
+        if HAS_IDX:
+            n = n + NUM_IDX
+        else:
+            n = (pos + 1) // RATIO
+    return n
+
+
+@triton.jit
+def _attend_window(
+    q, acc, m, s_sum, swa_ptr, swa_table, row, swa_tstride, start, lo, hi, n, d, dmask, D, scale,
+    FP32: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Window keys lo .. hi (of the token's n, raw positions from `start`) into the softmax state."""
+    for j0 in range(lo, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j < n
+        slot = tl.load(swa_table + row * swa_tstride + start + j, mask=valid, other=0)
+        acc, m, s_sum = _attend(q, acc, m, s_sum, swa_ptr, slot, valid, d, dmask, D, scale, FP32)
+    return acc, m, s_sum
+
+
+@triton.jit
+def _attend_entries(
+    q, acc, m, s_sum, cmp_ptr, cmp_table, row, cmp_tstride, idx_row_ptr, lo, hi, n, d, dmask, D, scale,
+    FP32: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Compressed entries lo .. hi (of the token's n: its picks from `idx_row_ptr`, -1 = none, or
+    entries 0 .. n-1) into the softmax state."""
+    for c0 in range(lo, hi, BLOCK_N):
+        c = c0 + tl.arange(0, BLOCK_N)
+        if HAS_IDX:
+            entry = tl.load(idx_row_ptr + c, mask=c < n, other=-1)
+            valid = entry >= 0
+        else:
+            entry = c
+            valid = c < n
+        slot = tl.load(cmp_table + row * cmp_tstride + entry, mask=valid, other=0)
+        acc, m, s_sum = _attend(q, acc, m, s_sum, cmp_ptr, slot, valid, d, dmask, D, scale, FP32)
+    return acc, m, s_sum
+
+
+@triton.jit
 def _store_rotated_back(
     dst, out, hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF, BLOCK_HALF: tl.constexpr
 ):
@@ -141,26 +188,13 @@ def _sparse_attention_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     n_win = tl.minimum(W, pos + 1)  # window: raw positions pos - n_win + 1 .. pos
     start = pos + 1 - n_win
-    for j0 in range(0, n_win, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        valid = j < n_win
-        slot = tl.load(swa_table + row * swa_tstride + start + j, mask=valid, other=0)
-        acc, m, s_sum = _attend(q, acc, m, s_sum, swa_ptr, slot, valid, d, dmask, D, scale, FP32)
+    acc, m, s_sum = _attend_window(q, acc, m, s_sum, swa_ptr, swa_table, row, swa_tstride, start, 0, n_win,
+                                   n_win, d, dmask, D, scale, FP32, BLOCK_N)  # fmt: skip
     if HAS_CMP:
-        if HAS_IDX:
-            n_cmp = NUM_IDX
-        else:
-            n_cmp = (pos + 1) // RATIO  # every visible compressed entry
-        for c0 in range(0, n_cmp, BLOCK_N):
-            c = c0 + tl.arange(0, BLOCK_N)
-            if HAS_IDX:
-                entry = tl.load(idx_ptr + t * stride_idx + c, mask=c < n_cmp, other=-1)
-                valid = entry >= 0
-            else:
-                entry = c
-                valid = c < n_cmp
-            slot = tl.load(cmp_table + row * cmp_tstride + entry, mask=valid, other=0)
-            acc, m, s_sum = _attend(q, acc, m, s_sum, cmp_ptr, slot, valid, d, dmask, D, scale, FP32)
+        n_cmp = _num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
+        acc, m, s_sum = _attend_entries(q, acc, m, s_sum, cmp_ptr, cmp_table, row, cmp_tstride,
+                                        idx_ptr + t * stride_idx, 0, n_cmp, n_cmp, d, dmask, D, scale, FP32,
+                                        HAS_IDX, BLOCK_N)  # fmt: skip
     dst = out_ptr + t * stride_ot + h[:, None] * stride_oh
     _store_rotated_back(dst, acc / s_sum[:, None], hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF,
                         BLOCK_HALF)  # fmt: skip
@@ -211,13 +245,7 @@ def _split_partials_kernel(
     pos = tl.load(pos_ptr + t)
     n_win = tl.minimum(W, pos + 1)  # window: raw positions pos - n_win + 1 .. pos
     start = pos + 1 - n_win
-    if HAS_CMP:
-        if HAS_IDX:
-            n_cmp = NUM_IDX
-        else:
-            n_cmp = (pos + 1) // RATIO  # every visible compressed entry
-    else:
-        n_cmp = 0
+    n_cmp = _num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
     is_win = sp < WIN_SPLITS
     lo = tl.where(is_win, sp, sp - WIN_SPLITS) * SPLIT
     n = tl.where(is_win, n_win, n_cmp)
@@ -227,23 +255,14 @@ def _split_partials_kernel(
         m = tl.full((BLOCK_H,), -1e30, tl.float32)  # NO_MAX: finite, so exp(m - m_new) is never NaN
         s_sum = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+        hi = tl.minimum(lo + SPLIT, n)
         if is_win:
-            for j0 in range(lo, tl.minimum(lo + SPLIT, n), BLOCK_N):
-                j = j0 + tl.arange(0, BLOCK_N)
-                valid = j < n
-                slot = tl.load(swa_table + row * swa_tstride + start + j, mask=valid, other=0)
-                acc, m, s_sum = _attend(q, acc, m, s_sum, swa_ptr, slot, valid, d, dmask, D, scale, FP32)
+            acc, m, s_sum = _attend_window(q, acc, m, s_sum, swa_ptr, swa_table, row, swa_tstride, start, lo,
+                                           hi, n, d, dmask, D, scale, FP32, BLOCK_N)  # fmt: skip
         else:
-            for c0 in range(lo, tl.minimum(lo + SPLIT, n), BLOCK_N):
-                c = c0 + tl.arange(0, BLOCK_N)
-                if HAS_IDX:
-                    entry = tl.load(idx_ptr + t * stride_idx + c, mask=c < n, other=-1)
-                    valid = entry >= 0
-                else:
-                    entry = c
-                    valid = c < n
-                slot = tl.load(cmp_table + row * cmp_tstride + entry, mask=valid, other=0)
-                acc, m, s_sum = _attend(q, acc, m, s_sum, cmp_ptr, slot, valid, d, dmask, D, scale, FP32)
+            acc, m, s_sum = _attend_entries(q, acc, m, s_sum, cmp_ptr, cmp_table, row, cmp_tstride,
+                                            idx_ptr + t * stride_idx, lo, hi, n, d, dmask, D, scale, FP32,
+                                            HAS_IDX, BLOCK_N)  # fmt: skip
         r = ((sp * T + t) * H + h).to(tl.int64)
         tl.store(acc_ptr + r[:, None] * D + d[None, :], acc, mask=qmask)
         tl.store(ml_ptr + r * 2, m, mask=hmask)
@@ -305,10 +324,7 @@ def _combine_splits_kernel(
     for sp in range(0, tl.cdiv(n_win, SPLIT)):
         acc, m, s_sum = _fold_split(acc, m, s_sum, acc_ptr, ml_ptr, sp, T, t, H, h, hmask, d, dmask, D)
     if HAS_CMP:
-        if HAS_IDX:
-            n_cmp = NUM_IDX
-        else:
-            n_cmp = (pos + 1) // RATIO
+        n_cmp = _num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
         for c in range(0, tl.cdiv(n_cmp, SPLIT)):
             acc, m, s_sum = _fold_split(
                 acc, m, s_sum, acc_ptr, ml_ptr, WIN_SPLITS + c, T, t, H, h, hmask, d, dmask, D
