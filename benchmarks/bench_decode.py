@@ -11,6 +11,12 @@ to zeros). Roofline of a decode step: bytes of the non-expert weights (the embed
 batch only) + the routed experts that step actually chose (counted on an eager run of that step) + the
 KV each query reads (window, chosen or all compressed entries, indexer keys), over the device-to-device
 copy bandwidth measured in the same run (bytes read + written per second).
+
+Prefill: transformers runs the forward as its `generate` does (`logits_to_keep=1`: the last
+position's logits only, as the engine computes them). `matmul_ms` is the floor of the engine's
+prefill set by its matrix products alone: every `F.linear`, `torch._grouped_mm` and `torch.einsum`
+call of one eager prefill recorded with its very tensors and replayed back to back in a CUDA graph
+(no attention, norms, mHC, routing or host work).
 """
 
 from __future__ import annotations
@@ -134,9 +140,62 @@ def hf_prefill(model: Any, batch: int, length: int, vocab: int) -> float:
         for _ in range(3):
             sync(model.device)
             begin = time.perf_counter()
-            model(input_ids=ids, use_cache=True).logits[:, -1].argmax(-1).tolist()
+            model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1).tolist()
             times.append(time.perf_counter() - begin)
     return statistics.median(times[1:]) * 1e3
+
+
+def matmul_floor_ms(run: Any, device: str) -> float:
+    """Device time of the matrix products of `run()` alone: recorded in one eager run, graph-replayed
+    (on the CPU of a dry run: replayed eagerly, wall time)."""
+    import torch.nn.functional as F
+
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    originals = {"linear": F.linear, "_grouped_mm": torch._grouped_mm, "einsum": torch.einsum}
+
+    def recording(name: str) -> Any:
+        fn = originals[name]
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            calls.append((fn, args, kwargs))
+            return fn(*args, **kwargs)
+
+        return record
+
+    owners = {"linear": F, "_grouped_mm": torch, "einsum": torch}
+    for name, owner in owners.items():
+        setattr(owner, name, recording(name))
+    try:
+        run()
+    finally:
+        for name, owner in owners.items():
+            setattr(owner, name, originals[name])
+
+    def replay() -> None:
+        for fn, args, kwargs in calls:
+            fn(*args, **kwargs)
+
+    if device != "cuda":
+        with torch.inference_mode():
+            begin = time.perf_counter()
+            replay()
+            return (time.perf_counter() - begin) * 1e3
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.inference_mode():
+        replay()  # warm-up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            replay()
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    calls.clear()  # frees the recorded activations
+    return statistics.median(times[1:])
 
 
 def weight_bytes(model: Any, batch: int) -> tuple[int, int]:
@@ -290,9 +349,21 @@ def main() -> None:
             times.append(core.prefill(prompts, b * n)[0])
             core.free(list(prompts))
         entry: dict[str, Any] = {"core_ms": round(statistics.median(times[1:]) * 1e3, 2)}
+        entry["launch_host_ms"] = round(statistics.median(core.launch_times[-2:]) * 1e3, 2)
+        if b * n == max(math.prod(int(v) for v in p.split("x")) for p in args.prefills):
+            prompts = {f"m-{i}": [rng.randrange(2, vocab) for _ in range(n)] for i in range(b)}
+
+            def one(prompts: dict[str, list[int]] = prompts, budget: int = b * n) -> None:
+                core.prefill(prompts, budget)
+                core.free(list(prompts))
+
+            entry["matmul_ms"] = round(matmul_floor_ms(one, device), 2)
+            entry["core_over_matmul"] = round(entry["core_ms"] / entry["matmul_ms"], 2)
         if not args.skip_hf:
             entry["hf_ms"] = round(hf_prefill(hf, b, n, vocab), 2)
             entry["hf_over_core"] = round(entry["hf_ms"] / entry["core_ms"], 2)
+            if "matmul_ms" in entry:  # the best any engine with these matmuls could do
+                entry["hf_over_matmul"] = round(entry["hf_ms"] / entry["matmul_ms"], 2)
         if device == "cuda" and b * n == max(math.prod(int(v) for v in p.split("x")) for p in args.prefills):
             prompts = {f"q{rep}-{i}": [rng.randrange(2, vocab) for _ in range(n)] for i in range(b)}
 

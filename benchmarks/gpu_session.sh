@@ -16,8 +16,8 @@ case "$1" in
 tests)
     DSV4SERVE_TEST_DEVICE=cuda timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_*.py \
         2>&1 | tee "$OUT/kernels.log" | tail -25
-    DSV4SERVE_TEST_DEVICE=cuda timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_golden_dsv4.py \
-        tests/test_golden_engine.py tests/test_pool_poison.py 2>&1 | tee "$OUT/golden.log" | tail -25
+    DSV4SERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_golden_dsv4.py \
+        tests/test_golden_engine.py tests/test_pool_poison.py tests/test_golden_glm.py 2>&1 | tee "$OUT/golden.log" | tail -25
     ;;
 bench)
     shift

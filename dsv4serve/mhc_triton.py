@@ -1,9 +1,12 @@
 """Triton mHC kernels (the contracts of `mhc.hc_pre` / `mhc.hc_post`).
 
 hc_pre runs as two kernels: `_mix_partials` splits the fp32 GEMV `h_flat @ fn^T` (and the sum of
-squares of h_flat) over a fixed number of K-slices, so a single decode token keeps many SMs busy;
-`_hc_pre_epilogue` sums the slices in a fixed order (the result never depends on the batch), applies
-the sigmoids and the Sinkhorn iterations, collapses the streams and RMSNorms the block input.
+squares of h_flat) over K-slices, so a single decode token keeps many SMs busy; `_hc_pre_epilogue`
+sums the slices in a fixed order, applies the sigmoids and the Sinkhorn iterations, collapses the
+streams and RMSNorms the block input. Steps of up to 16 tokens always use MAX_SPLITS slices (their
+result never depends on the batch); larger steps use only as many as fill the GPU (about
+PROGRAMS programs): at 8 x 1024 tokens 128 slices wrote a workspace half the size of the streams.
+The epilogue's tile of slices is always MAX_SPLITS wide (masked), so no step size compiles anew.
 hc_post is one elementwise kernel with the reference's rounding steps.
 """
 
@@ -19,6 +22,7 @@ from dsv4serve.triton_utils import pow2
 BLOCK_K = 128
 MAX_SPLITS = 128  # K-slices of the mixes GEMV: a single decode token still spreads over 128 programs
 MIX_ROWS = 32  # (2 + hc) * hc = 24 mixes, padded; the last column carries the sum of squares
+PROGRAMS = 1024  # steps of more than 16 tokens: token tiles x K-slices to aim for
 
 
 @triton.jit
@@ -131,18 +135,19 @@ def hc_pre(
     if T == 0:
         return x, post, comb
     K = n * D
-    splits = min(MAX_SPLITS, triton.cdiv(K, BLOCK_K))
+    block_t, block_k = (16, BLOCK_K) if T <= 16 else (64, 64)  # prefill: wider token tiles, no spills
+    splits = MAX_SPLITS if T <= 16 else triton.cdiv(PROGRAMS, triton.cdiv(T, block_t))
+    splits = min(splits, triton.cdiv(K, BLOCK_K))
     per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
     splits = triton.cdiv(K, per_split)
     ws = torch.empty(splits, T, MIX_ROWS, dtype=torch.float32, device=h.device)
-    block_t, block_k = (16, BLOCK_K) if T <= 16 else (64, 64)  # prefill: wider token tiles, no spills
     _mix_partials_kernel[(triton.cdiv(T, block_t), splits)](
         h, hc.fn, ws, T, K, per_split, (2 + n) * n, h.stride(0),
         BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, num_warps=4,
     )  # fmt: skip
     _hc_pre_epilogue_kernel[(T,)](
         h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, splits, h.stride(0), h.stride(1),
-        p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS,
+        p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, BLOCK_S=MAX_SPLITS, MIX_ROWS=MIX_ROWS,
         BLOCK_D=pow2(D), num_warps=8,  # the collapse over hidden dominates: one warp was 3x slower
     )  # fmt: skip
     return x, post, comb

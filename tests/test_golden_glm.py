@@ -5,11 +5,13 @@ q_lora_rank None (a plain q_proj) with two dense layers. Prompts of 1..200 token
 batch, whole or in random chunks (prefill chunks mixed with decodes: the non-absorbed form; decode
 steps: the absorbed form); then through Engine.generate with a small step budget and KV capacity
 that force chunked prefill and preemptions. Required: identical greedy ids for 32 new tokens and
-max |logit difference| <= 1e-3 at every position.
+max |logit difference| <= 1e-3 at every position. The engine runs on the device DSV4SERVE_TEST_DEVICE
+names (on cuda: Triton kernels, decode steps replayed from CUDA graphs); the reference on the CPU.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -39,6 +41,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 PROMPT_LENGTHS = {"grouped": (1, 6, 23, 77, 200), "no_q_lora": (2, 13, 50, 131)}
 REFERENCE = "Glm4MoeLiteForCausalLM"
+DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES), ids=lambda s: f"shape={s}")
@@ -62,7 +65,9 @@ def _check(refs: list[Trace], got: list[Trace]) -> float:
 @pytest.mark.parametrize(("page", "chunked"), [(8, False), (4, True)], ids=["whole", "chunked"])
 def test_glm_golden_batched_matches_transformers(golden: tuple, page: int, chunked: bool) -> None:
     model_dir, prompts, refs = golden
-    engine = EngineConfig(dtype="float32", page_size=page, max_num_seqs=8, max_total_tokens=4096)
+    engine = EngineConfig(
+        device=DEVICE, dtype="float32", page_size=page, max_num_seqs=8, max_total_tokens=4096
+    )
     chunk = random_chunker(page + len(prompts), 1, 37) if chunked else (lambda rid, remaining: remaining)
     _check(refs, engine_traces(model_dir, prompts, MAX_NEW, engine, chunk=chunk))
 
@@ -78,6 +83,7 @@ def test_glm_engine_generate_chunked_and_preempted(golden: tuple) -> None:
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=())
     with Engine(
         model_dir,
+        device=DEVICE,
         dtype="float32",
         max_num_seqs=8,
         max_num_batched_tokens=48,

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import itertools
 
-from dsv4serve.executor.graphs import BATCH_BUCKETS, batch_bucket, context_bucket, is_decode
+import pytest
+import torch
+
+from dsv4serve.executor.graphs import (
+    BATCH_BUCKETS,
+    DecodeGraphs,
+    GraphKey,
+    _Graph,
+    batch_bucket,
+    context_bucket,
+    is_decode,
+)
 from dsv4serve.protocol import LOOKAHEAD, SamplingSpec, StepItem
 
 
@@ -29,3 +40,22 @@ def test_batch_buckets_and_what_counts_as_a_decode_step() -> None:
     decode = StepItem(rid="a", prefix_len=5, token_ids=(LOOKAHEAD,), sample=True, sampling=spec)
     chunk = StepItem(rid="b", prefix_len=0, token_ids=(1, 2), sample=True, sampling=spec)
     assert is_decode([decode]) and not is_decode([decode, chunk]) and not is_decode([])
+
+
+def test_a_failed_capture_caches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose capture raises fails alone; the next step of that key captures again (it used to
+    find a graph-less entry and fail on an assert, and so did every step after it)."""
+    graphs = DecodeGraphs.__new__(DecodeGraphs)  # no CUDA here: only the cache logic runs
+    graphs.graphs, graphs.ratios, graphs.device = {}, (), torch.device("cpu")
+    graphs.step, graphs.pad_row, graphs.pool = None, 0, None  # type: ignore[assignment]
+    key = GraphKey(1, 256, True, False, False, 0)
+    item = StepItem(rid="a", prefix_len=5, token_ids=(7,), sample=True, sampling=SamplingSpec(), row=0)
+
+    def capture(self: _Graph, step: object, pad_row: int, pool: object) -> None:
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(_Graph, "capture", capture)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="capture failed"):
+            graphs.launch(key, [item], [1])
+        assert graphs.graphs == {}

@@ -33,6 +33,19 @@ def test_hc_pre_matches_reference_fp32(tokens: int, dim: int) -> None:
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
 
 
+def test_hc_pre_prefill_sized_step_uses_few_long_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill-sized step whose K-slices span several BLOCK_K chunks: 2 token tiles x 4 slices."""
+    monkeypatch.setattr(kt, "PROGRAMS", 8)
+    T = 100
+    gen = torch.Generator().manual_seed(17)
+    h = on_device(torch.randn(T, 4, 256, generator=gen))
+    hc, norm = _hc(256, gen), on_device(torch.randn(256, generator=gen))
+    want = mhc.hc_pre(h, hc, norm, PARAMS)
+    got = kt.hc_pre(h, hc, norm, PARAMS)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
 def test_hc_pre_bf16_close() -> None:
     gen = torch.Generator().manual_seed(3)
     h = on_device((torch.randn(7, 4, 64, generator=gen) * 2).bfloat16())

@@ -129,7 +129,7 @@ def mla_attention(
     """
     lat = dims.kv_lora_rank
     rows = cache[meta.key_slots]  # (B, N, L + rope)
-    rows = torch.where(meta.key_valid[..., None], rows, torch.zeros((), dtype=rows.dtype))  # select out
+    rows = rows.masked_fill(~meta.key_valid[..., None], 0.0)  # select out (a fill, not a multiply)
     c, k_pe = rows[..., :lat], rows[..., lat:]  # (B, N, L), (B, N, rope)
     w = kv_b.view(dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim, lat)  # (H, nope + v, L)
     w_uk, w_uv = w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim :]  # (H, nope, L), (H, v, L)

@@ -178,8 +178,9 @@ class DecodeGraphs:
         (B, V) logits), valid until its next replay."""
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = _Graph(key, self.ratios, self.device)
-            graph.capture(self.step, self.pad_row, self.pool)
+            graph = _Graph(key, self.ratios, self.device)
+            graph.capture(self.step, self.pad_row, self.pool)  # a failed capture caches nothing
+            self.graphs[key] = graph
         graph.upload(items, seeds, self.pad_row)
         assert graph.graph is not None
         graph.graph.replay()

@@ -154,6 +154,7 @@ SPECS: dict[str, ModelSpec] = {
         _glm_build,
         _glm_pools,
         _glm_tiny,
+        cuda_graphs=True,
         prompt_bos=False,
         fp32_weight=lambda name: name.endswith(("e_score_correction_bias", "mlp.gate.weight")),
     ),
