@@ -239,6 +239,11 @@ def test_malformed_output_degrades_to_content() -> None:
     assert parse("a</think>b<think>c</tool_call>d") == ParsedOutput("", "abcd", ())
     assert parse("r<think>s</think>t", thinking=True) == ParsedOutput("rs", "t", ())
     assert parse_call("f<arg_key>k</arg_key><arg_value>v", {}) is None
+    deep = "[" * 100_000
+    assert parse_call(f"f<arg_key>k</arg_key><arg_value>{deep}</arg_value>", {}) == (
+        "f",
+        json.dumps({"k": deep}),
+    )
 
 
 # outputs the model would write: the tiny template's assistant turn, after the generation prompt

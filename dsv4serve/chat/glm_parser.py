@@ -189,7 +189,7 @@ def _json_or_text(value: str) -> Any:
     """The JSON `value` parses as, else `value` itself (NaN and Infinity are not JSON)."""
     try:
         return json.loads(value, parse_constant=_not_json)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the JSON module goes
         return value
 
 
