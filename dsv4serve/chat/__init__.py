@@ -2,18 +2,22 @@
 
 A `ChatTemplate` turns a `ChatPrompt` (messages, tools, thinking) into prompt text and gives the
 incremental parser that splits the model's output into reasoning, content and tool-call deltas.
-`template_for(model_type)` picks one by the checkpoint's `model_type`; GLM's will register here.
+`template_for(model_type, model_dir)` picks one by the checkpoint's `model_type`: DeepSeek-V4's is
+written in Python (`dsv4.py`, its output `dsml.py`); GLM-4.7's renders the checkpoint's own Jinja
+template (`glm.py`, its output `glm_parser.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from dsv4serve.chat import dsv4
 from dsv4serve.chat.dsml import Delta, DSMLParser
-from dsv4serve.chat.dsv4 import ChatError
-from dsv4serve.chat.messages import ChatPrompt, RenderedPrompt
+from dsv4serve.chat.glm import GlmTemplate
+from dsv4serve.chat.messages import ChatError, ChatPrompt, RenderedPrompt
 
 
 class OutputParser(Protocol):
@@ -40,13 +44,21 @@ class DeepSeekV4Template:
         return parser, parser.feed(rendered.prefill)
 
 
-TEMPLATES: dict[str, ChatTemplate] = {"deepseek_v4": DeepSeekV4Template()}
+def _deepseek_v4(model_dir: Path) -> ChatTemplate:
+    return DeepSeekV4Template()  # the format is fixed; the checkpoint ships no template
 
 
-def template_for(model_type: str) -> ChatTemplate:
+# model_type -> the template of a checkpoint directory
+TEMPLATES: dict[str, Callable[[Path], ChatTemplate]] = {
+    "deepseek_v4": _deepseek_v4,
+    "glm4_moe_lite": GlmTemplate.from_dir,
+}
+
+
+def template_for(model_type: str, model_dir: Path) -> ChatTemplate:
     if model_type not in TEMPLATES:
         raise ChatError(f"no chat template for model_type {model_type!r}")
-    return TEMPLATES[model_type]
+    return TEMPLATES[model_type](Path(model_dir))
 
 
 __all__ = ["ChatError", "ChatPrompt", "ChatTemplate", "OutputParser", "RenderedPrompt", "template_for"]

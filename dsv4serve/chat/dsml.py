@@ -27,7 +27,18 @@ import json
 import re
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TypeAlias
+
+from dsv4serve.chat.deltas import (
+    Content,
+    Delta,
+    ParsedOutput,
+    Reasoning,
+    ToolArguments,
+    ToolCallStart,
+    collect,
+    find_first,
+    held,
+)
 
 DSML = "｜DSML｜"
 THINK_START, THINK_END = "<think>", "</think>"
@@ -41,44 +52,6 @@ _BLOCK_END = f"</{DSML}{TOOL_BLOCK}>"
 _NAME = re.compile(r'name="(?P<name>[^"]*)"')
 _STRING = re.compile(r'string="(?P<string>true|false)"')
 _MAX_NEWLINES = 2  # newlines before a tool block belong to its start tag, not to the content
-
-
-@dataclass(frozen=True, slots=True)
-class Reasoning:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Content:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallStart:
-    index: int  # 0, 1, ... in the order of the output
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolArguments:
-    index: int
-    text: str  # the next piece of the call's JSON arguments
-
-
-Delta: TypeAlias = Reasoning | Content | ToolCallStart | ToolArguments
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text (complete when the model closed the invoke)
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedOutput:
-    reasoning: str
-    content: str
-    tool_calls: tuple[ToolCall, ...]
 
 
 class _State(Enum):
@@ -152,10 +125,10 @@ class DSMLParser:
     def _step(self) -> bool:
         """Consume the buffer up to the state's next terminator; False when it needs more text."""
         tags = _TERMINATORS[self._state]
-        found = _find_first(self._buf, tags)
+        found = find_first(self._buf, tags)
         if found is None:
             if self._state not in _HEADS:  # a head is read whole, at its `>`
-                keep = _held(self._buf, tags)
+                keep = held(self._buf, tags)
                 self._body(self._buf[: len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep :]
             return False
@@ -269,45 +242,7 @@ class DSMLParser:
             self._state = _State.BLOCK if in_block else _State.CONTENT
 
 
-def _find_first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
-    """The earliest tag in `text` (at one start: the longest)."""
-    best: tuple[int, str] | None = None
-    for tag in tags:
-        at = text.find(tag)
-        if at >= 0 and (best is None or at < best[0] or (at == best[0] and len(tag) > len(best[1]))):
-            best = (at, tag)
-    return best
-
-
-def _held(text: str, tags: tuple[str, ...]) -> int:
-    """The length of the longest tail of `text` that is a proper prefix of a tag."""
-    for size in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        tail = text[-size:]
-        if any(t.startswith(tail) for t in tags):
-            return size
-    return 0
-
-
 def parse_output(text: str, thinking: bool = False) -> ParsedOutput:
     """The whole output at once (what the streamed deltas add up to)."""
     parser = DSMLParser(thinking)
     return collect([*parser.feed(text), *parser.finish()])
-
-
-def collect(deltas: list[Delta]) -> ParsedOutput:
-    reasoning, content = [], []
-    names: list[str] = []
-    arguments: list[list[str]] = []
-    for delta in deltas:
-        match delta:
-            case Reasoning(text=text):
-                reasoning.append(text)
-            case Content(text=text):
-                content.append(text)
-            case ToolCallStart(name=name):
-                names.append(name)
-                arguments.append([])
-            case ToolArguments(index=index, text=text):
-                arguments[index].append(text)
-    calls = tuple(ToolCall(n, "".join(a)) for n, a in zip(names, arguments, strict=True))
-    return ParsedOutput("".join(reasoning), "".join(content), calls)

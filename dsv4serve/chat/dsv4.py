@@ -21,12 +21,13 @@ import msgspec
 
 from dsv4serve.chat.dsml import DSML, THINK_END, THINK_START, TOOL_BLOCK
 from dsv4serve.chat.messages import (
+    ChatError,
     ChatMessage,
     ChatPrompt,
-    NamedToolChoice,
     RenderedPrompt,
     ToolCallSpec,
     ToolSpec,
+    forced_tool,
 )
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -74,10 +75,6 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 """
 
 
-class ChatError(ValueError):
-    """A conversation the template cannot render; the message names the field."""
-
-
 def to_json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -110,21 +107,13 @@ def render_invoke(name: str, arguments: str) -> str:
 
 def forced_prefill(prompt: ChatPrompt) -> str:
     """The opening tags a `required` or named tool choice puts at the start of the answer."""
-    choice = prompt.tool_choice
-    if choice in ("none", "auto"):
+    name = forced_tool(prompt)
+    if name is None:
         return ""
-    if not prompt.tools:
-        raise ChatError(f"tool_choice: {_choice_name(choice)!r} needs tools")
     head = TOOL_CALLS_START + f'<{DSML}invoke name="'
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in {t.function.name for t in prompt.tools}:
-            raise ChatError(f"tool_choice: no tool named {choice.function.name!r} in tools")
-        head += f'{choice.function.name}">\n'
+    if name:
+        head += f'{name}">\n'
     return (THINK_END if prompt.thinking else "") + head
-
-
-def _choice_name(choice: object) -> str:
-    return choice.function.name if isinstance(choice, NamedToolChoice) else str(choice)
 
 
 # ---------------------------------------------------------------- turns

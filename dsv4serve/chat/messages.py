@@ -14,6 +14,10 @@ import msgspec
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
+class ChatError(ValueError):
+    """A conversation the template cannot render; the message names the field."""
+
+
 class TextPart(msgspec.Struct, frozen=True, tag="text", tag_field="type"):
     text: str
 
@@ -86,5 +90,19 @@ class RenderedPrompt(msgspec.Struct, frozen=True, kw_only=True):
     holds (a forced tool call's opening tags); the output parser reads it before the model's text."""
 
     text: str
-    thinking: bool
+    thinking: bool  # the prompt leaves the model inside a reasoning block (it ends in `<think>`)
     prefill: str = ""
+    tools: tuple[ToolSpec, ...] = ()  # the tools the prompt offers (a parser may read their schemas)
+
+
+def forced_tool(prompt: ChatPrompt) -> str | None:
+    """What `tool_choice` forces: None (`none`, `auto`), "" (`required`: some tool) or a tool's name."""
+    choice = prompt.tool_choice
+    if choice in ("none", "auto"):
+        return None
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
+    if not prompt.tools:
+        raise ChatError(f"tool_choice: {name or str(choice)!r} needs tools")
+    if name and name not in {t.function.name for t in prompt.tools}:
+        raise ChatError(f"tool_choice: no tool named {name!r} in tools")
+    return name

@@ -54,7 +54,8 @@ async def serve_http(
             max_model_len=options.engine.resolved_max_model_len(handle.model),
             max_body_bytes=http.max_body_bytes,
         )
-        app = OpenAIApp(handle, template_for(handle.model.model_type), app_options)
+        template = template_for(handle.model.model_type, options.model_dir)
+        app = OpenAIApp(handle, template, app_options)
         config = Config()
         config.bind = [f"{http.host}:{http.port}"]
         config.accesslog = None

@@ -6,7 +6,17 @@ weights under the HF names (`model.` prefix, `lm_head.weight`) from the model's 
 (`glm_tensors`), with an MTP block `model.layers.{N}.*` when `num_nextn_predict_layers` is 1 (the
 engine skips it; so does transformers). `Glm4MoeLiteForCausalLM.from_pretrained` loads it. The
 tokenizer is DeepSeek-V4's (the GLM tokenizer is not available offline), so `vocab_size` defaults
-to its 129,280 and the chat template is the one written here in GLM's format.
+to its 129,280, GLM's special tokens are plain text to it, and `chat_template.jinja` is the one
+written here (`CHAT_TEMPLATE`) in GLM-4.7's documented format:
+
+    [gMASK]<sop>[<|system|>\\n# Tools ... <tools>\\n{tool JSON per line}\\n</tools> ...]<|system|>{system}
+    <|user|>{user}<|assistant|></think>{answer}<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>
+    </tool_call><|observation|><tool_response>{result}</tool_response>...<|assistant|><think>
+
+(no separators between turns). Reasoning is kept only in assistant turns after the last user message
+(all of them with `clear_thinking=false`), other turns open with a bare `</think>`; the generation
+prompt is `<|assistant|><think>`, or `<|assistant|></think>` with `enable_thinking=false`; string
+argument values are written as they are, others as JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +30,58 @@ import torch
 
 from dsv4serve.models.glm4_moe_lite import GlmConfig, fp32_tensor, glm_tensors
 from dsv4serve.models.tiny import DTYPES, copy_tokenizer, write_safetensors
+
+CHAT_TEMPLATE = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You can call functions to help with the request. Their signatures, one JSON object a line:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+Call a function by writing its name and its arguments as key / value pairs:
+<tool_call>{function-name}<arg_key>{key-1}</arg_key><arg_value>{value-1}</arg_value>\
+<arg_key>{key-2}</arg_key><arg_value>{value-2}</arg_value>...</tool_call>
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif -%}
+{%- endfor -%}
+{%- set keep_all = clear_thinking is defined and not clear_thinking -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}
+<|system|>{{ m.content }}
+{%- elif m.role == 'user' -%}
+<|user|>{{ m.content }}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{%- if m.reasoning_content and (keep_all or loop.index0 > ns.last_user) -%}
+<think>{{ m.reasoning_content | trim }}</think>
+{%- else -%}
+</think>
+{%- endif -%}
+{{ m.content | trim }}
+{%- for call in m.tool_calls or [] -%}
+<tool_call>{{ call.function.name }}
+{%- for key, value in call.function.arguments.items() -%}
+{%- set text = value if value is string else value | tojson(ensure_ascii=False) -%}
+<arg_key>{{ key }}</arg_key><arg_value>{{ text }}</arg_value>
+{%- endfor -%}
+</tool_call>
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|observation|>{% endif -%}
+<tool_response>{{ m.content }}</tool_response>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|assistant|>{{ '</think>' if enable_thinking is defined and not enable_thinking else '<think>' }}
+{%- endif -%}
+"""
 
 
 def tiny_glm_config(**overrides: Any) -> dict[str, Any]:
@@ -95,6 +157,7 @@ def make_tiny_glm(
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     write_safetensors(tensors, out, shards)
     copy_tokenizer(out)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     return out
 
 
