@@ -23,7 +23,8 @@ class SlotTables:
     """One table per pool of the model's KV layout: rows = max_num_seqs + 1, L = the resolved max
     model length; raw and state pools [rows, L] indexed by raw position, a compressed pool of ratio r
     [rows, L // r + 1] indexed by compressed index. `table(pool)`, or `tables.<pool>` (e.g.
-    `tables.swa`, what the model's attention reads by the names its layout declared).
+    `tables.swa`, what the model's attention reads by the names its layout declared; a pool named
+    like an attribute below is reached by `table` only).
     The last row (`pad_row`) is never a request's: padding tokens of a fixed-shape (graph) step use it,
     so every slot they address is a sentinel (`point_pad_row_at` sets its state entries).
     """
