@@ -1,4 +1,5 @@
-"""Per-step cost of the allocator's six-tuples: build the `CacheLocs`, msgpack-encode, decode.
+"""Per-step cost of the allocator's slot messages (DSV4's six pools): build the `CacheLocs`, msgpack-encode,
+decode.
 
 Two steps, each timed as the median over repetitions:
   decode_256       256 requests, each at a random length in [1024, 8192), one new token each
@@ -27,7 +28,7 @@ from dsv4serve.protocol import SLOT_DTYPE, CacheLocs
 
 PAGE = 128
 HCA_RATIO = 128
-POOLS = ("full", "swa", "c4", "c128", "c4_state", "c128_state")
+POOLS = ("full", "swa", "c4", "c128", "c4_state", "c128_state")  # DSV4's layout, in its order
 NUM_PAGES = 1 << 14  # physical pages per pool (2M slots: 256 requests x 8k tokens)
 
 
@@ -71,12 +72,15 @@ def build_one(step: int, req: ReqState, ids: memoryview) -> CacheLocs:
         row=req.row,
         prefix_len=pre,
         seq_len=seq,
-        full=paged_slots(pre, seq, pages["full"], ids),
-        swa=paged_slots(pre, seq, pages["swa"], ids),
-        c4=paged_slots(pre // 4, seq // 4, pages["c4"], ids),
-        c128=paged_slots(pre // HCA_RATIO, seq // HCA_RATIO, pages["c128"], ids),
-        c4_state=paged_slots(c4_keep, seq, pages["c4_state"], ids),
-        c128_state=paged_slots(c128_keep, seq, pages["c128_state"], ids),
+        pools=POOLS,
+        packed=(
+            paged_slots(pre, seq, pages["full"], ids),
+            paged_slots(pre, seq, pages["swa"], ids),
+            paged_slots(pre // 4, seq // 4, pages["c4"], ids),
+            paged_slots(pre // HCA_RATIO, seq // HCA_RATIO, pages["c128"], ids),
+            paged_slots(c4_keep, seq, pages["c4_state"], ids),
+            paged_slots(c128_keep, seq, pages["c128_state"], ids),
+        ),
     )
 
 

@@ -335,7 +335,7 @@ def main() -> None:
     # the driver prefills every request before any decodes, so each holds its last chunk's SWA slots
     # until then (the engine's sizing assumes a decode soon after): room for one chunk per request
     sizes = PoolSizes.for_engine(cfg, engine)
-    sizes = replace(sizes, swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
+    sizes = sizes.with_(swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
     runner = ModelRunner.from_weights(cfg, engine_weights(hf), engine, sizes)
     core = CoreDriver(runner)
     vocab = cfg.vocab_size

@@ -1,4 +1,4 @@
-"""The executor core's speed: prefill and decode steps through allocator -> six-tuples -> tables ->
+"""The executor core's speed: prefill and decode steps through allocator -> slot messages -> tables ->
 ModelRunner (no actors), on any device. `python -m dsv4serve bench` and benchmarks/bench_step.py
 print `run_bench`'s result as JSON; benchmarks/bench_decode.py drives `CoreDriver` at real dimensions.
 Times are medians over steps after a warm-up decode step.

@@ -96,7 +96,7 @@ class ModelConfig:
     def hca_ratio(self) -> int:
         """The heavily-compressed ratio (128 in the official models; smaller in tiny test models).
 
-        Its pool, tables and six-tuple field are called `c128` whatever the value; 0 if no HCA layer.
+        Its pool, table and slot-message field are called `c128` whatever the value; 0 if no HCA layer.
         """
         others = [r for r in self.compress_ratio_set if r != 4]
         return others[0] if others else 0
@@ -106,7 +106,11 @@ class ModelConfig:
 
     @property
     def kv_layout(self) -> KVLayout:
-        """DSV4's six pools (memory/sizing.py sizes them, memory/pools.py allocates their buffers)."""
+        """DSV4's pools: full, swa, c4, c128, c4_state, c128_state (those with no layer left out).
+
+        The memory layer sizes, allocates and tables them from this; memory/sizing.py names their
+        figures in DSV4's plan, memory/pools.py allocates their buffers.
+        """
         dim, idim, hca = self.head_dim, self.index_head_dim, self.hca_ratio
         c4, c128 = self.c4_layers, self.c128_layers
         pools = [

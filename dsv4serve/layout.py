@@ -1,8 +1,10 @@
 """A model's KV layout: the pools it caches into, declared as data that the memory layer reads.
 
 Every pool is one slot space (paged, `PoolSizes` pages of `page_size` slots; page 0 the sentinel) and
-one field of the per-request slot message (`CacheLocs`). A pool's `index` says which of a request's
-logical indices keep a slot there:
+one packed field of the per-request slot message (`CacheLocs`), named by the pool, in layout order.
+Pool names are any identifiers; the first pool is the request's address space (raw, no window: one
+slot per position, `max_total_tokens` of them). A pool's `index` says which of a request's logical
+indices keep a slot there:
   raw         raw positions [0, seq); with `window` W > 0 only the last W stay live (pages below are
               evicted), 0 = all of them
   compressed  compressed indices [0, seq // ratio): one per closed window of `ratio` raw tokens
@@ -10,8 +12,9 @@ logical indices keep a slot there:
 Its buffers are per layer: each of `layers` holds one row of `width` elements per slot, in the KV
 dtype or fp32. A pool without buffers is an address space only (DSV4's `full`).
 
-The allocator, the slot tables, the engine's sizing and the KV writer work from this declaration;
-the model's math reads the buffers the model spec allocates from it.
+The allocator, the slot tables, the engine's sizing, `plan` and the KV writer work from this
+declaration alone (they never name a pool); the model's math reads the buffers the model spec
+allocates from it, and its tables, by the names it declared.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 PoolIndex = Literal["raw", "compressed", "state"]
-POOL_FIELDS = ("full", "swa", "c4", "c128", "c4_state", "c128_state")  # the slot message's fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +38,14 @@ class BufferSpec:
 
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
-    name: str  # one of POOL_FIELDS
+    name: str  # an identifier; names the slot message's field and the slot table
     index: PoolIndex
     ratio: int = 1  # raw tokens per logical index (compressed, state)
     window: int = 0  # raw pools: the live window, 0 = every position
     buffers: tuple[BufferSpec, ...] = ()
 
     def __post_init__(self) -> None:
-        assert self.name in POOL_FIELDS, f"pool {self.name!r} is not a slot-message field"
+        assert self.name.isidentifier(), f"pool name {self.name!r} is not an identifier"
         assert self.ratio >= 1 and self.window >= 0, self
 
     def bytes_per_slot(self, kv_bytes: int) -> int:
@@ -57,7 +59,10 @@ class KVLayout:
     def __post_init__(self) -> None:
         names = [p.name for p in self.pools]
         assert len(set(names)) == len(names), f"duplicate pools in {names}"
-        assert names and names[0] == "full" and self.pools[0].index == "raw" and not self.pools[0].window
+        first = self.pools[0] if self.pools else None
+        assert first and first.index == "raw" and not first.window, "the first pool: raw, no window"
+        buffers = [b.name for p in self.pools for b in p.buffers]
+        assert len(set(buffers)) == len(buffers), f"duplicate buffers in {buffers}"
 
     def get(self, name: str) -> PoolSpec | None:
         return next((p for p in self.pools if p.name == name), None)

@@ -35,15 +35,16 @@ def unpack_slots(data: bytes) -> array:
 
 
 class CacheLocs(msgspec.Struct, frozen=True, tag="cache_locs", kw_only=True):
-    """The allocator's six-tuple for one request in one step (token-level slot ids per pool).
+    """The allocator's slots for one request in one step: one packed int32 field per pool.
 
-    The request goes from `prefix_len` to `seq_len` cached tokens in this step. Each field is packed
-    int32 (`pack_slots` / `unpack_slots`), in position order:
-      full, swa   one slot per raw position in [prefix_len, seq_len)
-      c4          one slot per compressed index in [prefix_len // 4, seq_len // 4)
-      c128        one slot per compressed index in [prefix_len // R, seq_len // R), R = the HCA ratio
-      c4_state    one slot per raw position in [seq_len - n, seq_len), n = len(c4_state)
-      c128_state  one slot per raw position in [seq_len - n, seq_len)
+    `pools` names every pool of the model's KV layout (`layout.py`), in layout order, and `packed`
+    holds each one's slot ids (`pack_slots` / `unpack_slots`), empty when the step adds none there.
+    The request goes from `prefix_len` to `seq_len` cached tokens in this step; a pool's slots are in
+    index order, by the pool's kind:
+      raw         one slot per raw position in [prefix_len, seq_len)
+      compressed  one slot per compressed index in [prefix_len // r, seq_len // r), r = its ratio
+      state       one slot per raw position in [seq_len - n, seq_len), n = the pool's count
+    DeepSeek-V4's layout is full, swa (raw), c4, c128 (compressed), c4_state, c128_state (state).
     """
 
     step: int
@@ -51,19 +52,22 @@ class CacheLocs(msgspec.Struct, frozen=True, tag="cache_locs", kw_only=True):
     row: int  # the request's row in the per-request tables
     prefix_len: int
     seq_len: int
-    full: bytes = b""
-    swa: bytes = b""
-    c4: bytes = b""
-    c128: bytes = b""
-    c4_state: bytes = b""
-    c128_state: bytes = b""
+    pools: tuple[str, ...] = ()  # the allocator passes its layout's one tuple of names
+    packed: tuple[bytes, ...] = ()  # packed[i]: the slots of pools[i] (same length: the writer checks)
+
+    def packed_of(self, pool: str) -> bytes:
+        """The packed slots of the pool named `pool` (KeyError if the message has no such pool)."""
+        try:
+            return self.packed[self.pools.index(pool)]
+        except ValueError:
+            raise KeyError(f"no pool {pool!r} in {self.pools}") from None
 
     def slots(self, pool: str) -> array:
-        """The slot ids of one pool ('full', 'swa', 'c4', 'c128', 'c4_state', 'c128_state')."""
-        return unpack_slots(getattr(self, pool))
+        """The slot ids of one pool, by name."""
+        return unpack_slots(self.packed_of(pool))
 
     def count(self, pool: str) -> int:
-        return len(getattr(self, pool)) // 4
+        return len(self.packed_of(pool)) // 4
 
 
 # ---------------------------------------------------------------- public: stdio JSON-lines requests
@@ -592,8 +596,8 @@ class StepDone(_Msg, frozen=True, tag="step_done"):
 
 class RefusedItem(msgspec.Struct, frozen=True, kw_only=True):
     rid: str
-    pool: str  # 'full', 'swa', 'c4', 'c128', 'c4_state', 'c128_state', 'rows', or 'base' (a lookahead
-    # whose previous step was refused)
+    pool: str  # a pool of the model's KV layout, 'rows', or 'base' (a lookahead whose previous step
+    # was refused)
     reason: str
 
 

@@ -1,5 +1,5 @@
 """Run the same prompts through transformers (the golden reference) and through dsv4serve's
-executor core (allocator -> six-tuples -> tables -> ModelRunner), recording every position's logits.
+executor core (allocator -> slot messages -> tables -> ModelRunner), recording every position's logits.
 
 The reference is `reference_model`: transformers' DeepseekV4ForCausalLM with its indexer's top-k
 patched to the engine's tie rule (highest score first, exact ties to the lowest compressed index).

@@ -1,4 +1,4 @@
-"""KVAllocator unit tests: six-tuple formulas, eviction, refusals, rows, ring mode, pool sizes."""
+"""KVAllocator unit tests: slot-message formulas, eviction, refusals, rows, ring mode, pool sizes."""
 
 from __future__ import annotations
 
@@ -167,8 +167,8 @@ def test_pools_for_missing_ratios_stay_empty() -> None:
     for mode in ("paged", "ring"):
         alloc = KVAllocator(model, ENGINE.with_(state_mode=mode))
         locs = granted(alloc.allocate("a", 0, 40, 0))
-        assert locs.c4 == b"" and locs.c4_state == b"" and locs.count("c128") == 2
-        assert alloc.usage()["c4"] == PoolUsage(0, 0) == alloc.usage()["c4_state"]
+        assert locs.pools == ("full", "swa", "c128", "c128_state") and locs.count("c128") == 2
+        assert set(alloc.usage()) == set(locs.pools)
 
 
 def test_flash_state_pool_sizes() -> None:

@@ -1,6 +1,6 @@
 """Hypothesis: random admit / chunked extend / decode / preempt / abort / finish against a shadow model.
 
-The shadow tracks, from the six-tuples alone and the documented eviction rules, which (request,
+The shadow tracks, from the slot messages alone and the documented eviction rules, which (request,
 logical page) owns each physical page and which slot each live index has; the allocator's usage,
 page partition, refusals and the slot tables must agree with it at every step.
 """
@@ -16,7 +16,6 @@ from memory_fixtures import TINY
 
 from dsv4serve.config import EngineConfig, ring_size
 from dsv4serve.memory import (
-    POOL_NAMES,
     KVAllocator,
     PoolSizes,
     Refusal,
@@ -31,6 +30,7 @@ R = TINY.hca_ratio  # 16
 W = TINY.sliding_window
 MAX_LEN = 256
 STATE_RATIO = {"c4_state": 4, "c128_state": R}
+POOL_NAMES = TINY.kv_layout.names  # full, swa, c4, c128, c4_state, c128_state
 
 
 def index_range(pool: str, prefix: int, seq: int) -> tuple[int, int]:

@@ -9,7 +9,6 @@ import torch
 from memory_fixtures import TINY, P, tiny_engine
 
 from dsv4serve.memory import (
-    POOL_NAMES,
     KVAllocator,
     KVPools,
     PoolSizes,
@@ -22,6 +21,7 @@ from dsv4serve.memory import (
 from dsv4serve.protocol import CacheLocs, pack_slots
 
 ENGINE = tiny_engine(max_num_seqs=3, max_total_tokens=200)
+POOL_NAMES = TINY.kv_layout.names  # full, swa, c4, c128, c4_state, c128_state
 
 
 def test_table_shapes_and_zero_init() -> None:
@@ -53,11 +53,15 @@ def test_write_cache_locs_puts_each_field_at_its_index_range() -> None:
         row=2,
         prefix_len=30,
         seq_len=34,
-        full=pack_slots([5, 6, 7, 8]),
-        swa=pack_slots([9, 10, 11, 12]),
-        c4=pack_slots([40]),  # compressed index 33 // 4 - 1 = 7
-        c4_state=pack_slots([70, 71]),  # raw positions [32, 34)
-        c128_state=pack_slots([99]),  # raw position 33
+        pools=POOL_NAMES,
+        packed=(
+            pack_slots([5, 6, 7, 8]),  # full
+            pack_slots([9, 10, 11, 12]),  # swa
+            pack_slots([40]),  # c4: compressed index 33 // 4 - 1 = 7
+            b"",  # c128
+            pack_slots([70, 71]),  # c4_state: raw positions [32, 34)
+            pack_slots([99]),  # c128_state: raw position 33
+        ),
     )
     write_cache_locs(tables, locs)
     assert tables.full[2, 30:34].tolist() == [5, 6, 7, 8] and tables.full[2].count_nonzero() == 4

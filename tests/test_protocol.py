@@ -32,12 +32,15 @@ def make_locs(rid: str = "a", prefix_len: int = 0, seq_len: int = 9, row: int = 
         row=row,
         prefix_len=prefix_len,
         seq_len=seq_len,
-        full=p.pack_slots(range(page + prefix_len, page + seq_len)),
-        swa=p.pack_slots(array("i", range(page + prefix_len, page + seq_len))),
-        c4=p.pack_slots(range(page + prefix_len // 4, page + seq_len // 4)),
-        c128=b"",
-        c4_state=p.pack_slots([page + 4, page + 5, page + 6, page + 7, page + 8]),
-        c128_state=p.pack_slots(range(page, page + seq_len)),
+        pools=("full", "swa", "c4", "c128", "c4_state", "c128_state"),
+        packed=(
+            p.pack_slots(range(page + prefix_len, page + seq_len)),
+            p.pack_slots(array("i", range(page + prefix_len, page + seq_len))),
+            p.pack_slots(range(page + prefix_len // 4, page + seq_len // 4)),
+            b"",
+            p.pack_slots([page + 4, page + 5, page + 6, page + 7, page + 8]),
+            p.pack_slots(range(page, page + seq_len)),
+        ),
     )
 
 

@@ -1,4 +1,5 @@
-"""memory/sizing.py: every Flash figure checked against arithmetic written out by hand."""
+"""memory/sizing.py (DSV4's plan over sizing_layout.py): every Flash figure checked against arithmetic
+written out by hand."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4serve.config import ConfigError, ModelConfig, npu_state_pool_size
-from dsv4serve.memory.sizing import GIB, count_weights, plan, swa_slots_per_request, token_unit
+from dsv4serve.memory.sizing import GIB, count_weights, plan
+from dsv4serve.memory.sizing_layout import token_unit, window_pages
+
+
+def swa_slots_per_request(model: ModelConfig, page_size: int) -> int:
+    return window_pages(model.sliding_window, page_size) * page_size
+
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "configs"
 OFFICIAL_FLASH_TOTAL_SIZE = 159_609_485_896  # model.safetensors.index.json of DeepSeek-V4-Flash
@@ -138,7 +145,7 @@ def test_small_ratio_and_no_hca_layers(flash: ModelConfig) -> None:
     p = plan(tiny, page_size=16, max_running=3, hbm_gib=1, weight_format="bf16")
     assert p.swa_slots_per_request == (math.ceil((8 - 1) / 16) + 1) * 16
     assert p.c128_state_slots == npu_state_pool_size(8, 16, 3) == 2 * 3 * 16
-    assert token_unit(tiny, 16) == 16 * 8 and p.full_slots % 128 == 0
+    assert token_unit(tiny.kv_layout, 16) == 16 * 8 and p.full_slots % 128 == 0
     assert p.c128_bytes_per_token == 1 * 512 * 2 / 8
     no_hca = dataclasses.replace(flash, compress_ratios=(0, 4) * 21 + (0,))
     q = plan(no_hca, num_devices=8)
@@ -186,7 +193,7 @@ def test_bad_inputs_name_the_key(flash: ModelConfig, kwargs: dict[str, object], 
 def test_plan_invariants(page_size: int, max_running: int, hbm_gib: float, num_devices: int) -> None:
     model = load("flash")
     p = plan(model, page_size=page_size, max_running=max_running, hbm_gib=hbm_gib, num_devices=num_devices)
-    unit = token_unit(model, page_size)
+    unit = token_unit(model.kv_layout, page_size)
     assert p.full_slots % unit == 0 and p.c4_slots % page_size == 0 and p.c128_slots % page_size == 0
     assert p.swa_slots == max_running * swa_slots_per_request(model, page_size)
     assert p.c4_state_slots == npu_state_pool_size(4, page_size, max_running)

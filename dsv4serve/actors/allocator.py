@@ -1,4 +1,4 @@
-"""The allocator actor: a thin loop around `KVAllocator` (pools, free lists, six-tuples).
+"""The allocator actor: a thin loop around `KVAllocator` (pools, free lists, slot messages).
 
 For each step it decides the items in plan order: a refused item allocates nothing and is dropped
 from the plan (a lookahead decode whose previous step was refused is refused too, pool 'base'); the

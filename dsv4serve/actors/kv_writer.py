@@ -1,5 +1,6 @@
-"""The kv_writer actor (the pre-write hook): writes each step's six-tuples into the per-request slot
-tables the attention kernels read, then tells the executor that the step's tables are ready.
+"""The kv_writer actor (the pre-write hook): writes each step's slot messages (`CacheLocs`, one packed
+field per pool of the model's layout) into the per-request slot tables the attention kernels read,
+then tells the executor that the step's tables are ready.
 
 `write` is the device work (in the system: `write_cache_locs_batch`, which only queues a copy and a
 store on the device's stream, ahead of the step that reads them). It only writes table entries of

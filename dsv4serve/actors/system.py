@@ -15,7 +15,6 @@ tokenizer awaits each client's event channel: a client that stops reading slows 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -216,7 +215,7 @@ async def run_system(
     log = structlog.get_logger().bind(actor="system")
     runner, tok = await trio.to_thread.run_sync(load_model, options)
     parts = parts_of(runner, tok)
-    log.info("loaded", model_dir=str(options.model_dir), pool_pages=dataclasses.asdict(parts.allocator.sizes))
+    log.info("loaded", model_dir=str(options.model_dir), pool_pages=parts.allocator.sizes.as_dict())
     await run_actors(parts, options, task_status=task_status)
 
 

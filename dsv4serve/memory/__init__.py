@@ -1,4 +1,5 @@
-"""DeepSeek-V4 KV memory: pools, the allocator (six-tuples), per-request slot tables, sizing.
+"""KV memory of any layout (`layout.py`): pool sizes, the allocator (one slot message per request and
+step), per-request slot tables, buffers, sizing; plus DSV4's own buffers (`KVPools`) and plan.
 
 Names load lazily so that `plan` (sizing only) does not import torch.
 """
@@ -10,20 +11,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dsv4serve.memory.allocator import KVAllocator, PoolUsage, Refusal, ring_slots
-    from dsv4serve.memory.paged import POOL_NAMES, STATE_POOLS, PagePool, PageRun, PoolSizes, keep_start
+    from dsv4serve.memory.paged import PagePool, PageRun, PoolSizes, keep_start, state_sentinels
     from dsv4serve.memory.pools import KVPools, flat
     from dsv4serve.memory.tables import SlotTables, block_table, write_cache_locs, write_cache_locs_batch
 
 _HOMES = {
     "allocator": ("KVAllocator", "PoolUsage", "Refusal", "ring_slots"),
-    "paged": ("POOL_NAMES", "STATE_POOLS", "PagePool", "PageRun", "PoolSizes", "keep_start"),
+    "paged": ("PagePool", "PageRun", "PoolSizes", "keep_start", "state_sentinels"),
     "pools": ("KVPools", "flat"),
     "tables": ("SlotTables", "block_table", "write_cache_locs", "write_cache_locs_batch"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = [
-    "POOL_NAMES",
-    "STATE_POOLS",
     "KVAllocator",
     "KVPools",
     "PagePool",
@@ -36,6 +35,7 @@ __all__ = [
     "flat",
     "keep_start",
     "ring_slots",
+    "state_sentinels",
     "write_cache_locs",
     "write_cache_locs_batch",
 ]

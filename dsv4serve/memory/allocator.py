@@ -1,4 +1,4 @@
-"""The KV allocator: answers each request's step with its six-tuple of slots, or a refusal.
+"""The KV allocator: answers each request's step with its slots in every pool (`CacheLocs`), or a refusal.
 
 Pure sync Python; the allocator actor is a thin loop around it.
 """
@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 from dsv4serve.config import EngineConfig, ring_size
 from dsv4serve.layout import ServedModelConfig
-from dsv4serve.memory.paged import POOL_NAMES, PagePool, PageRun, PoolSizes, keep_start
+from dsv4serve.memory.paged import PagePool, PageRun, PoolSizes, keep_start
 from dsv4serve.protocol import SLOT_DTYPE, CacheLocs
-
-FULL, SWA, C4, C128, C4_STATE, C128_STATE = range(6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +22,8 @@ class Refusal:
 
     reason "no_room": `pool` needs `needed_slots` and can give `free_slots` (its free slots plus
     what the request itself would release this step). "no_row": pool "row", 1 needed, 0 free.
-    "too_long": pool "full", needed_slots = seq_len, free_slots = the max model length.
+    "too_long": the first pool (the address space), needed_slots = seq_len, free_slots = the max
+    model length.
     """
 
     rid: str
@@ -53,10 +52,6 @@ class _Request:
     runs: tuple[PageRun, ...]
 
 
-def _empty_request() -> _Request:
-    return _Request(row=-1, length=0, runs=tuple(PageRun() for _ in POOL_NAMES))
-
-
 # (pool, lo, hi, dead_keep, step_keep): the pool's logical indices [lo, hi) new this step; pages wholly
 # below dead_keep are dead whatever happens, pages wholly below step_keep are freed if the step goes on.
 _Window = tuple[int, int, int, int, int]
@@ -65,25 +60,24 @@ _Window = tuple[int, int, int, int, int]
 class KVAllocator:
     """Owns every pool's free pages and every request's pages and table row.
 
-    The pools are those of the model's `kv_layout` (layout.py), by kind: raw (full, and swa with its
-    window), compressed (c4, c128), state (c4_state, c128_state); a field the layout lacks stays
-    empty. For DeepSeek-V4 (all six pools; GLM has only full)
-    a step takes a request from prefix_len to seq_len cached tokens and gets, in position order:
-      full, swa    raw positions [prefix, seq)
-      c4           compressed indices [prefix // 4, seq // 4)        (if the model has ratio-4 layers)
-      c128         compressed indices [prefix // R, seq // R)        (R = hca_ratio, if > 0)
-      c{r}_state   raw positions [max(prefix, keep_start(r, seq)), seq)
+    The pools are those of the model's `kv_layout` (layout.py), in layout order, by kind; a step
+    takes a request from prefix_len to seq_len cached tokens and gets, in index order:
+      raw         raw positions [prefix, seq)
+      compressed  compressed indices [prefix // r, seq // r)            (r = the pool's ratio)
+      state       raw positions [max(prefix, keep_start(r, seq)), seq)
+    (DeepSeek-V4: full and swa raw, c4 and c128 compressed, c4_state and c128_state state; GLM: full.)
     Allocation is tail-only per (request, pool): a new logical page takes a fresh physical page.
 
     Eviction runs inside `allocate`, before the room check:
-      swa       pages all of whose positions are < prefix - W + 1 (no query of this step sees them);
-      c{r}_state (paged mode) pages all of whose positions are < keep_start(r, seq). Those below
+      raw, window W  pages all of whose positions are < prefix - W + 1 (no query of this step sees
+                them);
+      state (paged)  pages all of whose positions are < keep_start(r, seq). Those below
                 keep_start(r, prefix) are dead and go even when the step is refused; the rest only
                 when it is granted. This step's forward still reads the state rows of positions
                 [keep_start(r, prefix), prefix), whose slots may be handed out again in this same
                 step: the executor must read every old state row of a layer before writing any new
                 row of that layer.
-      full, c4, c128 are only freed by `free`.
+      raw pools without a window and compressed pools are only freed by `free`.
     Ring state mode has no state allocator: slot = row * ring + pos % ring (ring = ring_size(r)); the
     sentinel bank is row max_num_seqs.
     """
@@ -96,14 +90,12 @@ class KVAllocator:
         self.max_num_seqs = engine.max_num_seqs
         self.max_model_len = engine.resolved_max_model_len(model)
         self.ring = engine.state_mode == "ring"
-        layout = model.kv_layout
-        self._specs = tuple(layout.get(name) for name in POOL_NAMES)
-        self._ratios = tuple(s.ratio if s is not None and s.index != "raw" else 0 for s in self._specs)
-        self._rings = tuple(ring_size(r) if r else 0 for r in self._ratios)
-        self._pools = tuple(PagePool(self.sizes.pages(name), self.page_size) for name in POOL_NAMES)
-        self._ring_states = tuple(p for p in (C4_STATE, C128_STATE) if self.ring and self._ratios[p])
-        present = [POOL_NAMES.index(spec.name) for spec in layout.pools]  # layout order
-        self._paged = tuple(p for p in present if p not in self._ring_states)
+        self._specs = model.kv_layout.pools  # pool p: self._specs[p], self._pools[p], a request's runs[p]
+        self._names = model.kv_layout.names  # one tuple, shared by every CacheLocs
+        self._pools = tuple(PagePool(self.sizes.pages(s.name), self.page_size) for s in self._specs)
+        rings = {p: ring_size(s.ratio) for p, s in enumerate(self._specs) if self.ring and s.index == "state"}
+        self._rings = rings  # ring-mode state pools: their ring
+        self._paged = tuple(p for p in range(len(self._specs)) if p not in rings)
         self._free_rows = list(range(engine.max_num_seqs))
         self._reqs: dict[str, _Request] = {}
 
@@ -127,10 +119,10 @@ class KVAllocator:
         return len(self._reqs)
 
     def usage(self) -> dict[str, PoolUsage]:
-        """Every slot-message field; a pool the model's layout lacks has capacity 0."""
+        """Every pool of the model's layout, in layout order."""
         out = {}
-        for p, name in enumerate(POOL_NAMES):
-            if p in self._ring_states:
+        for p, name in enumerate(self._names):
+            if p in self._rings:
                 ring = self._rings[p]
                 out[name] = PoolUsage(len(self._reqs) * ring, self.max_num_seqs * ring)
             else:
@@ -147,7 +139,7 @@ class KVAllocator:
         if req is not None:
             assert prefix_len == req.length, f"{rid}: prefix {prefix_len} != held length {req.length}"
         windows = self._windows(prefix_len, seq_len)
-        found = self._precheck("", req, seq_len) or self._plan("", req or _empty_request(), windows)
+        found = self._precheck("", req, seq_len) or self._plan("", req or self._empty_request(), windows)
         return not isinstance(found, Refusal)
 
     # ------------------------------------------------------------------ transitions
@@ -158,13 +150,13 @@ class KVAllocator:
         req = self._reqs.get(rid)
         assert prefix_len == (req.length if req else 0), f"{rid}: prefix {prefix_len} != held length"
         windows = self._windows(prefix_len, seq_len)
-        plan = self._precheck(rid, req, seq_len) or self._plan(rid, req or _empty_request(), windows)
+        plan = self._precheck(rid, req, seq_len) or self._plan(rid, req or self._empty_request(), windows)
         if isinstance(plan, Refusal):
             if req is not None:
                 self._evict_dead(req, windows)
             return plan
         if req is None:
-            req = _empty_request()
+            req = self._empty_request()
             req.row = heapq.heappop(self._free_rows)
             self._reqs[rid] = req
         req.length = seq_len
@@ -181,9 +173,12 @@ class KVAllocator:
 
     # ------------------------------------------------------------------ internals
 
+    def _empty_request(self) -> _Request:
+        return _Request(row=-1, length=0, runs=tuple(PageRun() for _ in self._specs))
+
     def _precheck(self, rid: str, req: _Request | None, seq_len: int) -> Refusal | None:
         if seq_len > self.max_model_len:
-            return Refusal(rid, "full", seq_len, self.max_model_len, "too_long")
+            return Refusal(rid, self._names[0], seq_len, self.max_model_len, "too_long")
         if req is None and not self._free_rows:
             return Refusal(rid, "row", 1, 0, "no_row")
         return None
@@ -192,7 +187,6 @@ class KVAllocator:
         out: list[_Window] = []
         for p in self._paged:
             spec = self._specs[p]
-            assert spec is not None
             ratio = spec.ratio
             if spec.index == "raw":
                 keep = max(0, prefix - spec.window + 1) if spec.window else 0
@@ -211,7 +205,7 @@ class KVAllocator:
             evict, take = req.runs[p].plan(lo, hi, keep, size)
             have = self._pools[p].num_free + evict
             if take > have:
-                return Refusal(rid, POOL_NAMES[p], take * size, have * size, "no_room")
+                return Refusal(rid, self._names[p], take * size, have * size, "no_room")
             out.append((evict, take))
         return out
 
@@ -230,16 +224,24 @@ class KVAllocator:
         prefix: int,
         step: int,
     ) -> CacheLocs:
-        fields: dict[str, bytes] = {}
+        packed = [b""] * len(self._specs)
         seq = req.length
         for (p, lo, hi, _, _), (evict, take) in zip(windows, plan, strict=True):
             run, pool = req.runs[p], self._pools[p]
             run.evict(evict, pool)
-            fields[POOL_NAMES[p]] = run.extend(lo, hi, take, pool).tobytes()
-        for p in self._ring_states:
-            lo = max(prefix, keep_start(self._ratios[p], seq))
-            fields[POOL_NAMES[p]] = ring_slots(req.row, self._rings[p], lo, seq).tobytes()
-        return CacheLocs(step=step, rid=rid, row=req.row, prefix_len=prefix, seq_len=seq, **fields)
+            packed[p] = run.extend(lo, hi, take, pool).tobytes()
+        for p, ring in self._rings.items():
+            lo = max(prefix, keep_start(self._specs[p].ratio, seq))
+            packed[p] = ring_slots(req.row, ring, lo, seq).tobytes()
+        return CacheLocs(
+            step=step,
+            rid=rid,
+            row=req.row,
+            prefix_len=prefix,
+            seq_len=seq,
+            pools=self._names,
+            packed=tuple(packed),
+        )
 
     def assert_consistent(self) -> None:
         """Check that held and free pages partition every pool (for tests; O(pages))."""
@@ -247,7 +249,7 @@ class KVAllocator:
             pool = self._pools[p]
             held = [page for req in self._reqs.values() for page in req.runs[p].pages]
             every = held + pool.free_pages()
-            assert sorted(every) == list(range(1, pool.num_pages + 1)), f"{POOL_NAMES[p]} pages leak"
+            assert sorted(every) == list(range(1, pool.num_pages + 1)), f"{self._names[p]} pages leak"
         rows = sorted([req.row for req in self._reqs.values()] + self._free_rows)
         assert rows == list(range(self.max_num_seqs)), "rows leak"
 

@@ -1,8 +1,10 @@
 """Device buffers of any KV layout (`layout.py`), in Ascend PA_ND layout [pages + 1, P, 1, width].
 
 One buffer per (buffer spec, layer); page 0 of every pool is the skip sentinel. A slot id addresses
-the same row in every layer's buffer of its pool. DSV4 keeps its own `KVPools` (the same shapes, with
-its compressor-state initialisation); a model whose pools need no initial values uses this one.
+the same row in every layer's buffer of its pool. No value in a buffer is relied on (state pools
+included: rows nobody wrote are selected out, tests/test_pool_poison.py); `state_sentinel` gives each
+state pool's padding slot. DSV4 keeps its own `KVPools`: the same shapes, under attribute names its
+attention and kernel tests read.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 
 from dsv4serve.config import EngineConfig
 from dsv4serve.layout import KVLayout
-from dsv4serve.memory.paged import PoolSizes
+from dsv4serve.memory.paged import PoolSizes, state_sentinels
 
 
 class LayoutBuffers:
@@ -20,7 +22,6 @@ class LayoutBuffers:
     def __init__(self, layout: KVLayout, sizes: PoolSizes, engine: EngineConfig) -> None:
         dev, size = torch.device(engine.device), engine.page_size
         dtype = getattr(torch, engine.torch_dtype_name)
-        assert all(p.index != "state" for p in layout.pools), "state pools need KVPools' initial values"
         self.buffers: dict[str, dict[int, torch.Tensor]] = {}
         for pool in layout.pools:
             pages = sizes.pages(pool.name)
@@ -30,7 +31,7 @@ class LayoutBuffers:
                     layer: torch.zeros(pages + 1, size, 1, b.width, dtype=kind, device=dev)
                     for layer in b.layers
                 }
-        self.state_sentinel: dict[str, int] = {}  # no state pools
+        self.state_sentinel = state_sentinels(layout, sizes, engine)
 
     def flat(self, name: str) -> dict[int, torch.Tensor]:
         """Each layer's buffer of `name` as [slots, width]: row = slot id."""

@@ -1,4 +1,4 @@
-"""Paged slot spaces: pool names and sizes, a pool's free pages, and one request's run of pages.
+"""Paged slot spaces: pool sizes, a pool's free pages, and one request's run of pages.
 
 Slot id = page * P + offset. Physical page 0 of every pool is the skip sentinel and is never handed
 out. A request's logical index i (raw position, or compressed index) lives in logical page i // P,
@@ -9,20 +9,16 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from dsv4serve.config import EngineConfig
-from dsv4serve.layout import POOL_FIELDS, ServedModelConfig
+from dsv4serve.config import EngineConfig, ring_size
+from dsv4serve.layout import KVLayout, ServedModelConfig
 from dsv4serve.protocol import SLOT_DTYPE
 
 if TYPE_CHECKING:
     import torch
 
 N = TypeVar("N", int, "torch.Tensor")
-
-POOL_NAMES = POOL_FIELDS
-STATE_POOLS = ("c4_state", "c128_state")
 
 
 def keep_start(ratio: int, n: N) -> N:
@@ -35,30 +31,73 @@ def keep_start(ratio: int, n: N) -> N:
     return start * (start > 0)  # max(start, 0), for ints and tensors alike
 
 
-@dataclass(frozen=True, slots=True)
 class PoolSizes:
-    """Pages per pool, not counting the sentinel page 0 (a buffer holds pages + 1).
+    """Pages per pool, by pool name, not counting the sentinel page 0 (a buffer holds pages + 1).
 
-    In ring state mode the two state fields are storage pages only: enough for
-    (max_num_seqs + 1) rings, the extra one being the sentinel bank.
+    `PoolSizes(full=64, swa=32)`; `sizes.pages("swa")` or `sizes.swa`. In ring state mode a state
+    pool's pages are storage only: enough for (max_num_seqs + 1) rings, the extra one the sentinel bank.
     """
 
-    full: int
-    swa: int
-    c4: int
-    c128: int
-    c4_state: int
-    c128_state: int
+    __slots__ = ("_pages",)
+    _pages: dict[str, int]
+
+    def __init__(self, **pages: int) -> None:
+        assert all(n >= 0 for n in pages.values()), pages
+        object.__setattr__(self, "_pages", dict(pages))
 
     def pages(self, pool: str) -> int:
-        return int(getattr(self, pool))
+        return self._pages[pool]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._pages)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self._pages)
+
+    def with_(self, **changes: int) -> PoolSizes:
+        assert changes.keys() <= self._pages.keys(), (changes, self.names)
+        return PoolSizes(**{**self._pages, **changes})
+
+    def __getattr__(self, pool: str) -> int:
+        pages = self._pages if pool != "_pages" else {}  # (`_pages` unset: a copy being built)
+        if pool not in pages:
+            raise AttributeError(f"no pool {pool!r} in PoolSizes{tuple(pages)}")
+        return pages[pool]
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("PoolSizes is frozen")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoolSizes) and self._pages == other._pages
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._pages.items())))
+
+    def __repr__(self) -> str:
+        return f"PoolSizes({', '.join(f'{k}={v}' for k, v in self._pages.items())})"
 
     @classmethod
     def for_engine(cls, model: ServedModelConfig, engine: EngineConfig) -> PoolSizes:
-        """The engine's sizes; the formulas live in memory/sizing.py."""
-        from dsv4serve.memory.sizing import engine_pool_sizes
+        """The engine's sizes; the formulas live in memory/sizing_layout.py."""
+        from dsv4serve.memory.sizing_layout import engine_pool_sizes
 
         return engine_pool_sizes(model, engine)
+
+
+def state_sentinels(layout: KVLayout, sizes: PoolSizes, engine: EngineConfig) -> dict[str, int]:
+    """Each state pool's sentinel slot (padding writes and reads land there): 0 when paged; in ring
+    mode the bank after the last request's ring, max_num_seqs * ring (checked to fit the pool)."""
+    out = {}
+    for pool in (p for p in layout.pools if p.index == "state"):
+        if engine.state_mode != "ring":
+            out[pool.name] = 0
+            continue
+        ring, seqs = ring_size(pool.ratio), engine.max_num_seqs
+        room = sizes.pages(pool.name) * engine.page_size
+        assert room >= (seqs + 1) * ring, f"{pool.name}: {room} slots cannot hold {seqs} rings and the bank"
+        out[pool.name] = seqs * ring
+    return out
 
 
 class PagePool:

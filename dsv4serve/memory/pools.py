@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4serve.config import EngineConfig, ModelConfig, ring_size
-from dsv4serve.memory.paged import PoolSizes
+from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.memory.paged import PoolSizes, state_sentinels
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:
@@ -27,11 +27,6 @@ def _state_buffer(pages: int, page_size: int, width: int, device: torch.device) 
     return torch.empty(pages + 1, page_size, 1, width, dtype=torch.float32, device=device)
 
 
-def _check_ring_room(pool: str, slots: int, seqs: int, ratio: int) -> None:
-    need = (seqs + 1) * ring_size(ratio) if ratio else 0
-    assert slots >= need, f"{pool}: {slots} slots cannot hold {seqs} rings and the sentinel bank ({need})"
-
-
 class KVPools:
     """Per-layer device buffers of every pool.
 
@@ -41,7 +36,8 @@ class KVPools:
     c4_state:        ratio-4 layers, fp32 [pages + 1, P, 1, 2 * 2 * head_dim] rows [kv | score];
     c4_index_state:  ratio-4 layers, fp32 width 2 * 2 * index_head_dim (same slots as c4_state);
     c128_state:      HCA layers, fp32 width 2 * head_dim.
-    state_sentinel:  the slot padding writes/reads may use: 0 (paged) or max_num_seqs * ring (ring).
+    state_sentinel:  per state pool of the layout, the slot padding writes/reads may use: 0 (paged)
+                     or max_num_seqs * ring (ring).
     """
 
     def __init__(self, model: ModelConfig, sizes: PoolSizes, engine: EngineConfig) -> None:
@@ -63,15 +59,7 @@ class KVPools:
             layer: _state_buffer(sizes.c4_state, size, 4 * idim, dev) for layer in c4_layers
         }
         self.c128_state = {layer: _state_buffer(sizes.c128_state, size, 2 * dim, dev) for layer in hca_layers}
-        ring = engine.state_mode == "ring"
-        seqs = engine.max_num_seqs
-        self.state_sentinel = {
-            "c4_state": seqs * ring_size(4) if ring else 0,
-            "c128_state": seqs * ring_size(hca) if ring and hca else 0,
-        }
-        if ring:
-            _check_ring_room("c4_state", sizes.c4_state * size, seqs, 4 if c4_layers else 0)
-            _check_ring_room("c128_state", sizes.c128_state * size, seqs, hca)
+        self.state_sentinel = state_sentinels(model.kv_layout, sizes, engine)
 
     def families(self) -> dict[str, list[torch.Tensor]]:
         """Every device buffer, by family (one buffer per layer that has the pool)."""

@@ -1,20 +1,15 @@
-"""Memory sizing for DeepSeek-V4: bytes per token and per request of every pool, weights, slot counts.
+"""DeepSeek-V4's memory plan: its weights (FP8 / MXFP4 / BF16 formats) and its pools' named figures.
 
-Every figure is plain integer arithmetic on the config so it can be checked by hand (README, "Memory
-planning"). Units: bytes; "per token" means per raw token position of a request. Pools (DESIGN §3):
+The pools' figures come from the layout plan (`sizing_layout.plan_kv`, for any layout); what this
+module adds is DSV4's own: the weights by group in the official or BF16 format, and the named fields
+the README and `plan --json` show. DSV4's pools (DESIGN §3), for L layers, L4 of ratio 4, L128 HCA:
   swa         every layer, one K=V row of head_dim per slot; R * (ceil((W-1)/P) + 1) * P slots
-              (the W raw positions a running request's next query sees span at most that many pages)
-  c4 / index  ratio-4 layers, one row of head_dim / index_head_dim per closed 4-token window
+  c4          ratio-4 layers: one row of head_dim (kv) + one of index_head_dim (indexer keys)
+              per closed 4-token window
   c128        HCA layers, one row of head_dim per closed hca_ratio-token window
   c4_state    fp32 rows [kv ; score] of width 2*2*head_dim (+ 2*2*index_head_dim for the indexer)
   c128_state  fp32 rows of width 2*head_dim; both state pools are paged: npu_state_pool_size(r, P, R)
-The compressed pools scale with `full` tokens; SWA and the state pools are a fixed cost per running
-request. Not counted: activations, workspaces, graphs, per-request tables, sentinel pages, and the
-allocator's slack (e.g. a partly filled page per request in each compressed pool, a prefill chunk's
-extra SWA slots); leave a margin in the budget for them.
-
-`engine_pool_sizes` is the engine's own sizing from an EngineConfig (what KVAllocator and KVPools
-use): the same per-request figures plus that slack, so no step within the budget is ever refused.
+Every figure is plain integer arithmetic on the config (README, "Memory planning").
 """
 
 from __future__ import annotations
@@ -23,18 +18,15 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dsv4serve.config import ConfigError, EngineConfig, ModelConfig, npu_state_pool_size, ring_size
-from dsv4serve.layout import ServedModelConfig
-from dsv4serve.memory.paged import POOL_NAMES, PoolSizes
+from dsv4serve.config import ConfigError, ModelConfig
+from dsv4serve.memory.sizing_layout import DTYPE_BYTES, GIB, plan_kv
 
-GIB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 WEIGHT_FORMATS = ("official", "bf16")
-STATE_BYTES = 4  # compressor state rows are fp32 (required on Ascend A3)
 FP8_BLOCK = 128  # official FP8 linears: one ue8m0 scale byte per 128x128 block
 FP4_GROUP = 32  # official MXFP4 experts: one e8m0 scale byte per 32 weights of a row
 
 Tensor = tuple[int, int]  # (parameters, bytes)
+POOLS = ("full", "swa", "c4", "c128", "c4_state", "c128_state")  # DSV4's layout, its plan's *_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,59 +81,6 @@ class SizingPlan:
         return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in out.items()}
 
 
-def swa_pages_per_request(model: ModelConfig, page_size: int) -> int:
-    """SWA pages a running request holds between steps: its last W positions span at most this many."""
-    return math.ceil((model.sliding_window - 1) / page_size) + 1
-
-
-def swa_slots_per_request(model: ModelConfig, page_size: int) -> int:
-    return swa_pages_per_request(model, page_size) * page_size
-
-
-def engine_pool_sizes(model: ServedModelConfig, engine: EngineConfig) -> PoolSizes:
-    """Pages per pool of the model's KV layout for an engine (sentinel page excluded; 0 if no pool).
-
-    full (raw, every position): max_total_tokens. A windowed raw pool (swa): every running request's
-    window, plus the step's token budget and one partly filled page per request for prefill chunks.
-    Compressed (c4 / c128): the compressed share of full plus one partly filled page per request.
-    State: npu_state_pool_size (paged) or max_num_seqs + 1 rings.
-    """
-    page, seqs = engine.page_size, engine.max_num_seqs
-    full = math.ceil(engine.max_total_tokens / page)
-    chunk_pages = math.ceil(engine.max_num_batched_tokens / page) + seqs
-    pages = dict.fromkeys(POOL_NAMES, 0)
-    for spec in model.kv_layout.pools:
-        if spec.index == "raw" and spec.window:
-            window_pages = math.ceil((spec.window - 1) / page) + 1
-            pages[spec.name] = min(full, seqs * window_pages + chunk_pages)
-        elif spec.index == "raw":
-            pages[spec.name] = full
-        elif spec.index == "compressed":
-            pages[spec.name] = math.ceil(engine.max_total_tokens / spec.ratio / page) + seqs
-        else:
-            pages[spec.name] = _engine_state_pages(spec.ratio, engine)
-    return PoolSizes(**pages)
-
-
-def _engine_state_pages(ratio: int, engine: EngineConfig) -> int:
-    page, seqs = engine.page_size, engine.max_num_seqs
-    if engine.state_mode == "ring":
-        return math.ceil((seqs + 1) * ring_size(ratio) / page)
-    return npu_state_pool_size(ratio, page, seqs) // page
-
-
-def state_slots(model: ModelConfig, ratio: int, page_size: int, max_running: int) -> int:
-    """Paged compressor-state slots for `ratio` (0 when no layer uses it)."""
-    if not ratio or not model.layers_with_ratio(ratio):
-        return 0
-    return npu_state_pool_size(ratio, page_size, max_running)
-
-
-def token_unit(model: ModelConfig, page_size: int) -> int:
-    """`full` capacity is a multiple of this, so every compressed pool holds whole pages."""
-    return page_size * max((1, *model.compress_ratio_set))
-
-
 def plan(
     model: ModelConfig,
     *,
@@ -158,17 +97,25 @@ def plan(
     the per-request pools for `max_running` requests, and the token-scaled pools filling the rest.
     """
     _check_inputs(dtype, page_size, max_running, hbm_gib, weight_format, num_devices)
-    rows = _RowBytes.of(model, DTYPE_BYTES[dtype])
-    per_request = _per_request(model, page_size, rows)
+    e = DTYPE_BYTES[dtype]
     params, wbytes, groups = count_weights(model, weight_format)
     w_device = -(-wbytes // num_devices)  # ceil, in integers
-    budget = int(hbm_gib * GIB)
-    fixed = w_device + max_running * per_request["bytes_per_request"]
-    token_budget = max(0, budget - fixed)
-    pools = _pools(model, page_size, max_running, token_budget, rows)
+    layout = model.kv_layout
+    kv = plan_kv(
+        layout,
+        kv_bytes=e,
+        page_size=page_size,
+        max_running=max_running,
+        budget_bytes=int(hbm_gib * GIB),
+        weight_bytes=w_device,
+        max_position=model.max_position_embeddings,
+    )
+    per_slot, per_request, slots = dict(kv.bytes_per_slot), dict(kv.slots_per_request), dict(kv.slots)
+    buffer_per_token = {b.name: b.bytes_per_slot(e) / p.ratio for p in layout.pools for b in p.buffers}
+    pool_slots: dict[str, Any] = {f"{name}_slots": slots.get(name, 0) for name in POOLS}
     return SizingPlan(
         dtype=dtype,
-        dtype_bytes=DTYPE_BYTES[dtype],
+        dtype_bytes=e,
         page_size=page_size,
         max_running=max_running,
         hbm_gib=hbm_gib,
@@ -181,89 +128,29 @@ def plan(
         head_dim=model.head_dim,
         index_head_dim=model.index_head_dim,
         sliding_window=model.sliding_window,
-        **rows.per_token(model.hca_ratio),
-        **per_request,
+        swa_bytes_per_token=per_slot["swa"],
+        c4_bytes_per_token=buffer_per_token.get("c4", 0.0),
+        c4_indexer_bytes_per_token=buffer_per_token.get("c4_index", 0.0),
+        c128_bytes_per_token=buffer_per_token.get("c128", 0.0),
+        kv_bytes_per_token=kv.kv_bytes_per_token,
+        c4_state_bytes_per_slot=per_slot.get("c4_state", 0),
+        c128_state_bytes_per_slot=per_slot.get("c128_state", 0),
+        swa_slots_per_request=per_request["swa"],
+        c4_state_slots_per_request=per_request.get("c4_state", 0),
+        c128_state_slots_per_request=per_request.get("c128_state", 0),
+        bytes_per_request=kv.bytes_per_request,
         weight_params=params,
         weight_bytes=wbytes,
         weight_bytes_per_device=w_device,
         weight_bytes_by_group=groups,
-        budget_bytes=budget,
-        fixed_bytes=fixed,
-        token_budget_bytes=token_budget,
-        **pools,
-        total_bytes=fixed + pools["kv_bytes"],
-        fits=pools["full_slots"] > 0 and fixed + pools["kv_bytes"] <= budget,
+        budget_bytes=kv.budget_bytes,
+        fixed_bytes=kv.fixed_bytes,
+        token_budget_bytes=kv.token_budget_bytes,
+        **pool_slots,
+        kv_bytes=kv.kv_bytes,
+        total_bytes=kv.total_bytes,
+        fits=kv.fits,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class _RowBytes:
-    """Bytes of one slot of each pool, summed over the layers that have the pool."""
-
-    swa: int
-    c4: int
-    c4_indexer: int
-    c128: int
-    c4_state: int
-    c128_state: int
-
-    @classmethod
-    def of(cls, model: ModelConfig, e: int) -> _RowBytes:
-        d, di = model.head_dim, model.index_head_dim
-        n4, n128 = len(model.c4_layers), len(model.c128_layers)
-        return cls(
-            swa=model.num_layers * d * e,
-            c4=n4 * d * e,
-            c4_indexer=n4 * di * e,
-            c128=n128 * d * e,
-            c4_state=n4 * (2 * 2 * d + 2 * 2 * di) * STATE_BYTES,  # attention + indexer [kv ; score]
-            c128_state=n128 * 2 * d * STATE_BYTES,
-        )
-
-    def per_token(self, hca_ratio: int) -> dict[str, Any]:
-        c128 = self.c128 / hca_ratio if hca_ratio else 0.0
-        return {
-            "swa_bytes_per_token": self.swa,
-            "c4_bytes_per_token": self.c4 / 4,
-            "c4_indexer_bytes_per_token": self.c4_indexer / 4,
-            "c128_bytes_per_token": c128,
-            "kv_bytes_per_token": (self.c4 + self.c4_indexer) / 4 + c128,
-            "c4_state_bytes_per_slot": self.c4_state,
-            "c128_state_bytes_per_slot": self.c128_state,
-        }
-
-
-def _per_request(model: ModelConfig, page_size: int, rows: _RowBytes) -> dict[str, int]:
-    swa = swa_slots_per_request(model, page_size)
-    c4_state = state_slots(model, 4, page_size, 1)
-    c128_state = state_slots(model, model.hca_ratio, page_size, 1)
-    return {
-        "swa_slots_per_request": swa,
-        "c4_state_slots_per_request": c4_state,
-        "c128_state_slots_per_request": c128_state,
-        "bytes_per_request": swa * rows.swa + c4_state * rows.c4_state + c128_state * rows.c128_state,
-    }
-
-
-def _pools(
-    model: ModelConfig, page_size: int, max_running: int, token_budget: int, rows: _RowBytes
-) -> dict[str, int]:
-    """Slot counts: `full` fills the token budget in whole units (capped at what R requests can use)."""
-    r = model.hca_ratio
-    unit = token_unit(model, page_size)
-    unit_bytes = unit // 4 * (rows.c4 + rows.c4_indexer) + (unit // r * rows.c128 if r else 0)
-    cap = max_running * model.max_position_embeddings // unit * unit  # more is never addressable
-    full = min(token_budget // unit_bytes * unit, cap) if unit_bytes else cap
-    c4, c128 = (full // 4 if model.c4_layers else 0), (full // r if r else 0)
-    return {
-        "full_slots": full,
-        "swa_slots": max_running * swa_slots_per_request(model, page_size),
-        "c4_slots": c4,
-        "c128_slots": c128,
-        "c4_state_slots": state_slots(model, 4, page_size, max_running),
-        "c128_state_slots": state_slots(model, r, page_size, max_running),
-        "kv_bytes": c4 * (rows.c4 + rows.c4_indexer) + c128 * rows.c128,
-    }
 
 
 def _check_inputs(

@@ -1,25 +1,161 @@
-"""Memory plan of any model family from its KV layout and weight schema (DSV4 has its own, sizing.py).
+"""Memory sizing of any KV layout (`layout.py`): the engine's pool sizes and `plan`'s device plan.
 
-Per pool: bytes per slot = sum over its buffers of layers * width * e (fp32 buffers: 4). Pools whose
-slots grow with tokens (raw without a window, compressed) cost bytes_per_slot / ratio per token;
-windowed raw pools and state pools cost a fixed number of slots per running request (as in
-sizing.py). Weights are the schema's tensors at the engine's storage dtype (fp32 where the family
-keeps fp32), MTP excluded. Capacity: `full` tokens = (budget - weights / N - R * per request) /
-bytes per token, rounded down to whole pages of every pool and capped at R * max_position_embeddings.
+Units: bytes; "per token" means per raw token position of a request. Per pool: bytes per slot = the
+sum over its buffers of layers * width * e (fp32 buffers: 4), where e is the KV dtype's bytes.
+  growing pools (raw without a window, compressed of ratio r): full // r slots, so
+              bytes_per_slot / r per token;
+  fixed pools (raw with a window W, state of ratio r): a fixed number of slots per running request,
+              whatever its length: (ceil((W-1)/P) + 1) * P (the W positions a request's next query
+              sees span at most that many pages), or npu_state_pool_size(r, P, 1).
+Capacity (`plan_kv`): fixed = weights on the device + R * bytes per request; the rest of the budget
+goes to the address space (the first pool, `full_slots` = EngineConfig.max_total_tokens), in whole
+units of P * (the largest compressed ratio) so every growing pool holds whole pages, capped at
+R * max_position_embeddings. Every figure is integer arithmetic on the config. Not counted:
+activations, workspaces, graphs, per-request tables, sentinel pages and the allocator's slack (a
+partly filled page per request in each growing pool, a prefill chunk's extra window slots).
+
+`plan_layout` adds weights counted from a family's schema at the engine's storage dtype (fp32 where
+the family keeps fp32), MTP excluded; DeepSeek-V4's `plan` (sizing.py) adds its own weight formats.
+`engine_pool_sizes` is the engine's sizing from an EngineConfig (what KVAllocator and the buffers
+use): the same per-request figures plus that slack, so no step within the budget is ever refused.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from dsv4serve.config import npu_state_pool_size
-from dsv4serve.layout import ServedModelConfig
-from dsv4serve.memory.sizing import DTYPE_BYTES, GIB
+from dsv4serve.config import EngineConfig, npu_state_pool_size, ring_size
+from dsv4serve.layout import KVLayout, PoolSpec, ServedModelConfig
+from dsv4serve.memory.paged import PoolSizes
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 Shape = tuple[int, ...]
+
+
+def grows(pool: PoolSpec) -> bool:
+    """Whether a pool's slots grow with the tokens cached (else a fixed number per running request)."""
+    return pool.index == "compressed" or (pool.index == "raw" and not pool.window)
+
+
+def window_pages(window: int, page_size: int) -> int:
+    """Pages a running request's last `window` positions span at most (between steps)."""
+    return math.ceil((window - 1) / page_size) + 1
+
+
+def slots_per_request(pool: PoolSpec, page_size: int) -> int:
+    """A fixed pool's slots per running request (0 for a growing pool)."""
+    if grows(pool):
+        return 0
+    if pool.index == "raw":
+        return window_pages(pool.window, page_size) * page_size
+    return npu_state_pool_size(pool.ratio, page_size, 1)
+
+
+def token_unit(layout: KVLayout, page_size: int) -> int:
+    """`full` capacity is a multiple of this, so every growing pool holds whole pages."""
+    return page_size * max((1, *(p.ratio for p in layout.pools if p.index == "compressed")))
+
+
+# ------------------------------------------------------------------------------ engine pool sizes
+
+
+def engine_pool_sizes(model: ServedModelConfig, engine: EngineConfig) -> PoolSizes:
+    """Pages of every pool of the model's KV layout for an engine (sentinel page excluded).
+
+    Raw without a window: max_total_tokens. Raw with a window: every running request's window, plus
+    the step's token budget and one partly filled page per request for prefill chunks. Compressed:
+    the compressed share of max_total_tokens plus one partly filled page per request. State:
+    npu_state_pool_size (paged) or max_num_seqs + 1 rings.
+    """
+    page, seqs = engine.page_size, engine.max_num_seqs
+    full = math.ceil(engine.max_total_tokens / page)
+    chunk_pages = math.ceil(engine.max_num_batched_tokens / page) + seqs
+    pages = {}
+    for spec in model.kv_layout.pools:
+        if spec.index == "raw" and spec.window:
+            pages[spec.name] = min(full, seqs * window_pages(spec.window, page) + chunk_pages)
+        elif spec.index == "raw":
+            pages[spec.name] = full
+        elif spec.index == "compressed":
+            pages[spec.name] = math.ceil(engine.max_total_tokens / spec.ratio / page) + seqs
+        elif engine.state_mode == "ring":
+            pages[spec.name] = math.ceil((seqs + 1) * ring_size(spec.ratio) / page)
+        else:
+            pages[spec.name] = npu_state_pool_size(spec.ratio, page, seqs) // page
+    return PoolSizes(**pages)
+
+
+# ------------------------------------------------------------------------------ the device plan
+
+
+@dataclass(frozen=True, slots=True)
+class KVPlan:
+    """The KV pools of one device under a memory budget (the part of `plan` every family shares)."""
+
+    bytes_per_slot: tuple[tuple[str, int], ...]  # pool -> bytes of one slot, summed over layers
+    kv_bytes_per_token: float  # the growing pools
+    slots_per_request: tuple[tuple[str, int], ...]  # the fixed pools
+    bytes_per_request: int
+    budget_bytes: int
+    fixed_bytes: int  # weights on this device + max_running * bytes_per_request
+    token_budget_bytes: int  # what is left for the growing pools
+    full_slots: int  # the address space (first pool) = EngineConfig.max_total_tokens
+    slots: tuple[tuple[str, int], ...]  # pool -> its slots on the device
+    kv_bytes: int  # the growing pools at full_slots
+    total_bytes: int
+    fits: bool
+
+    def figures(self) -> dict[str, Any]:
+        """Every figure except `slots`, by name, as the plans' flat fields (dicts of pools as tuples)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "slots"}
+
+
+def plan_kv(
+    layout: KVLayout,
+    *,
+    kv_bytes: int,
+    page_size: int,
+    max_running: int,
+    budget_bytes: int,
+    weight_bytes: int,
+    max_position: int,
+) -> KVPlan:
+    """Size every pool of `layout` on a device whose budget also holds `weight_bytes` of weights."""
+    pools = layout.pools
+    per_slot = {p.name: p.bytes_per_slot(kv_bytes) for p in pools}
+    growing = [p for p in pools if grows(p)]
+    per_request = {p.name: slots_per_request(p, page_size) for p in pools if not grows(p)}
+    request_bytes = sum(per_slot[name] * n for name, n in per_request.items())
+    fixed = weight_bytes + max_running * request_bytes
+    token_budget = max(0, budget_bytes - fixed)
+    unit = token_unit(layout, page_size)
+    unit_bytes = sum(unit // p.ratio * per_slot[p.name] for p in growing)
+    cap = max_running * max_position // unit * unit  # more is never addressable
+    full = min(token_budget // unit_bytes * unit, cap) if unit_bytes else cap
+    slots = {p.name: full // p.ratio if grows(p) else max_running * per_request[p.name] for p in pools}
+    kv = sum(slots[p.name] * per_slot[p.name] for p in growing)
+    return KVPlan(
+        bytes_per_slot=tuple(per_slot.items()),
+        kv_bytes_per_token=sum(per_slot[p.name] / p.ratio for p in growing),
+        slots_per_request=tuple(per_request.items()),
+        bytes_per_request=request_bytes,
+        budget_bytes=budget_bytes,
+        fixed_bytes=fixed,
+        token_budget_bytes=token_budget,
+        full_slots=full,
+        slots=tuple(slots.items()),
+        kv_bytes=kv,
+        total_bytes=fixed + kv,
+        fits=full > 0 and fixed + kv <= budget_bytes,
+    )
+
+
+# ------------------------------------------------------------------------------ any family's plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +168,9 @@ class LayoutPlan:
     hbm_gib: float
     num_devices: int
     num_layers: int
-    bytes_per_slot: tuple[tuple[str, int], ...]  # pool -> bytes of one slot, summed over layers
-    kv_bytes_per_token: float  # the pools that grow with tokens
-    slots_per_request: tuple[tuple[str, int], ...]  # windowed / state pools
+    bytes_per_slot: tuple[tuple[str, int], ...]
+    kv_bytes_per_token: float
+    slots_per_request: tuple[tuple[str, int], ...]
     bytes_per_request: int
     weight_params: int
     weight_bytes: int
@@ -42,7 +178,7 @@ class LayoutPlan:
     budget_bytes: int
     fixed_bytes: int
     token_budget_bytes: int
-    full_slots: int  # = EngineConfig.max_total_tokens
+    full_slots: int
     kv_bytes: int
     total_bytes: int
     fits: bool
@@ -66,27 +202,18 @@ def plan_layout(
     num_devices: int = 1,
 ) -> LayoutPlan:
     e = DTYPE_BYTES[dtype]
-    pools = model.kv_layout.pools
-    per_slot = {p.name: p.bytes_per_slot(e) for p in pools}
-    growing = [p for p in pools if p.index == "compressed" or (p.index == "raw" and not p.window)]
-    per_token = sum(per_slot[p.name] / (p.ratio if p.index == "compressed" else 1) for p in growing)
-    fixed_slots = {}
-    for p in pools:
-        if p.index == "raw" and p.window:
-            fixed_slots[p.name] = (math.ceil((p.window - 1) / page_size) + 1) * page_size
-        elif p.index == "state":
-            fixed_slots[p.name] = npu_state_pool_size(p.ratio, page_size, 1)
-    per_request = sum(per_slot[n] * s for n, s in fixed_slots.items())
     params = sum(math.prod(s) for s in schema.values())
     wbytes = sum(math.prod(s) * (4 if fp32(n) else e) for n, s in schema.items())
-    w_device = -(-wbytes // num_devices)
-    budget = int(hbm_gib * GIB)
-    fixed = w_device + max_running * per_request
-    token_budget = max(0, budget - fixed)
-    unit = page_size * max((1, *(p.ratio for p in growing)))
-    full = int(token_budget // per_token) // unit * unit if per_token else 0
-    full = min(full, max_running * model.max_position_embeddings)
-    kv = math.ceil(full * per_token)
+    w_device = -(-wbytes // num_devices)  # ceil, in integers
+    kv = plan_kv(
+        model.kv_layout,
+        kv_bytes=e,
+        page_size=page_size,
+        max_running=max_running,
+        budget_bytes=int(hbm_gib * GIB),
+        weight_bytes=w_device,
+        max_position=model.max_position_embeddings,
+    )
     return LayoutPlan(
         model_type=model.model_type,
         dtype=dtype,
@@ -96,20 +223,10 @@ def plan_layout(
         hbm_gib=hbm_gib,
         num_devices=num_devices,
         num_layers=model.num_layers,
-        bytes_per_slot=tuple(per_slot.items()),
-        kv_bytes_per_token=per_token,
-        slots_per_request=tuple(fixed_slots.items()),
-        bytes_per_request=per_request,
         weight_params=params,
         weight_bytes=wbytes,
         weight_bytes_per_device=w_device,
-        budget_bytes=budget,
-        fixed_bytes=fixed,
-        token_budget_bytes=token_budget,
-        full_slots=full,
-        kv_bytes=kv,
-        total_bytes=fixed + kv,
-        fits=full > 0 and fixed + kv <= budget,
+        **kv.figures(),
     )
 
 

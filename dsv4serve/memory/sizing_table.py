@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsv4serve.memory.sizing import SizingPlan
+from dsv4serve.memory.sizing import POOLS, SizingPlan
 
 
 def render_plan(p: SizingPlan) -> str:
@@ -45,9 +45,6 @@ def render_plan(p: SizingPlan) -> str:
         _verdict(p),
     ]
     return "\n".join(lines)
-
-
-POOLS = ("full", "swa", "c4", "c128", "c4_state", "c128_state")
 
 
 def _line(label: str, formula: str, value: float | str) -> str:

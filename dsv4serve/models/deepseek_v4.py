@@ -130,11 +130,8 @@ class DeepseekV4:
         self, batch: ForwardBatch, pools: KVPools, tables: SlotTables, all_logits: bool = False
     ) -> torch.Tensor:
         """Logits (S, vocab) of the sampled tokens, or (T, vocab) for every token if all_logits."""
-        sentinels = {
-            4: pools.state_sentinel["c4_state"],
-            self.cfg.hca_ratio: pools.state_sentinel["c128_state"],
-        }
-        ratios = {r: sentinels[r] for r in self.cfg.compress_ratio_set}
+        state_pool = {4: "c4_state", self.cfg.hca_ratio: "c128_state"}
+        ratios = {r: pools.state_sentinel[state_pool[r]] for r in self.cfg.compress_ratio_set}
         meta = self.ops.prepare(batch, tables, self.rope, self.cfg.sliding_window, ratios)  # all layers
         x = self.embed[batch.input_ids]  # (T, hidden)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, hc, hidden)
