@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from dsv4serve.devices import to_device
@@ -53,45 +55,36 @@ class BatchItem:
 def build_forward_batch(
     items: Sequence[BatchItem], ratios: Sequence[int], device: torch.device | str
 ) -> ForwardBatch:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    token_req: list[int] = []
-    cu = [0]
-    sample_index: list[int] = []
-    win: dict[int, tuple[list[int], list[int]]] = {r: ([], []) for r in ratios}
-    for b, item in enumerate(items):
-        n = len(item.token_ids)
-        seq = item.prefix_len + n
-        input_ids.extend(item.token_ids)
-        positions.extend(range(item.prefix_len, seq))
-        token_req.extend([b] * n)
-        cu.append(cu[-1] + n)
-        if item.sample:
-            sample_index.append(cu[-1] - 1)
-        for r, (reqs, idx) in win.items():
-            closing = range(item.prefix_len // r, seq // r)
-            reqs.extend([b] * len(closing))
-            idx.extend(closing)
-
-    parts: dict[str, list[int]] = {
-        "input_ids": input_ids,
-        "positions": positions,
+    """Index arithmetic in numpy (a Python list of every token's ints cost ~3 ms at 8 x 1024 tokens,
+    all before the step's first kernel), then one host tensor and one copy to the device."""
+    lengths = np.fromiter((len(i.token_ids) for i in items), dtype=np.int64, count=len(items))
+    prefix = np.fromiter((i.prefix_len for i in items), dtype=np.int64, count=len(items))
+    seq = prefix + lengths
+    cu = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
+    tokens = int(cu[-1])
+    req = np.arange(len(items), dtype=np.int64)
+    token_req = np.repeat(req, lengths)
+    sample = np.fromiter((i.sample for i in items), dtype=bool, count=len(items))
+    parts: dict[str, np.ndarray] = {
+        "input_ids": np.fromiter(chain.from_iterable(i.token_ids for i in items), np.int64, count=tokens),
+        "positions": np.arange(tokens, dtype=np.int64) - np.repeat(cu[:-1] - prefix, lengths),
         "token_req": token_req,
-        "rows": [i.row for i in items],
-        "prefix_lens": [i.prefix_len for i in items],
-        "seq_lens": [i.prefix_len + len(i.token_ids) for i in items],
+        "rows": np.fromiter((i.row for i in items), dtype=np.int64, count=len(items)),
+        "prefix_lens": prefix,
+        "seq_lens": seq,
         "cu_seqlens": cu,
-        "sample_index": sample_index,
+        "sample_index": (cu[1:] - 1)[sample],
     }
-    for r, (reqs, idx) in win.items():
-        parts[f"win_req{r}"], parts[f"win_index{r}"] = reqs, idx
-    # one host tensor and one copy to the device, then views: not one transfer per field
-    flat = to_device(
-        torch.tensor([v for values in parts.values() for v in values], dtype=torch.int64), device
-    )
+    for r in ratios:  # the windows [prefix // r, seq // r) of each request close in this step
+        first, closing = prefix // r, seq // r - prefix // r
+        offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(closing)])
+        total = int(offsets[-1])
+        parts[f"win_req{r}"] = np.repeat(req, closing)
+        parts[f"win_index{r}"] = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1] - first, closing)
+    flat = to_device(torch.from_numpy(np.concatenate(list(parts.values()))), device)
     views = dict(zip(parts, flat.split([len(v) for v in parts.values()]), strict=True))
     return ForwardBatch(
         **{name: views[name] for name in list(parts)[:8]},
-        max_seq_len=max((i.prefix_len + len(i.token_ids) for i in items), default=0),
-        windows={r: WindowMeta(req=views[f"win_req{r}"], index=views[f"win_index{r}"]) for r in win},
+        max_seq_len=int(seq.max()) if len(items) else 0,
+        windows={r: WindowMeta(req=views[f"win_req{r}"], index=views[f"win_index{r}"]) for r in ratios},
     )
