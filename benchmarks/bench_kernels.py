@@ -1,20 +1,23 @@
 """Tile sweeps of the heaviest Triton kernels at DeepSeek-V4-Flash dimensions on the GPU: the routed
 experts of an 8 x 1024 prefill (49,152 token-expert pairs over 256 experts) and sparse attention at
 prefill (8 x 1024) and decode (batch 1, 8, 16 and 64 at 1k context; batch 1 at 8k over 512 picks), the
-small steps with and without splitting the keys over programs. Prints one JSON object: median ms per
-variant, with the variant the package uses now marked "current".
+small steps with and without splitting the keys over programs, and the mHC pre-mix of an 8 x 1024
+prefill. Prints one JSON object: median ms per variant, with the variant the package uses now marked
+"current".
 
-    python benchmarks/bench_kernels.py
+    python benchmarks/bench_kernels.py [--mhc]   (--mhc: the mHC sweep only)
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 from typing import Any
 
 import torch
 
+from dsv4serve import mhc, mhc_triton
 from dsv4serve.attention import sparse_triton
 from dsv4serve.moe import experts_triton
 from tests.kernel_cases import kernel_model, make_case
@@ -128,9 +131,42 @@ def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> 
     return out
 
 
+def mhc_sweep(tokens: int = 8192) -> dict[str, float]:
+    """Median ms of one hc_pre (mixes + epilogue) at Flash's hidden size per prefill tiling:
+    BLOCK_T x BLOCK_K x warps x target programs."""
+    n, D = 4, FLASH["hidden_size"]
+    params = mhc.HcParams(mult=n, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
+    hc = mhc.HyperConnection(
+        fn=torch.randn((2 + n) * n, n * D, device="cuda") * 0.01,
+        base=torch.randn((2 + n) * n, device="cuda"),
+        scale=torch.rand(3, device="cuda") + 0.5,
+    )
+    h = torch.randn(tokens, n, D, device="cuda", dtype=torch.bfloat16)
+    norm = torch.randn(D, device="cuda", dtype=torch.bfloat16)
+    tiles, programs = mhc_triton.PREFILL_TILES, mhc_triton.PROGRAMS
+    configs = [(64, 64, 4, 1024), (128, 64, 8, 1024), (128, 32, 8, 256), (128, 32, 4, 512)]
+    configs += [(128, 16, 8, 512), (128, 32, 8, 1024), (256, 32, 8, 512), (256, 16, 8, 256)]
+    out: dict[str, float] = {}
+    for c in [None, *configs]:
+        mhc_triton.PREFILL_TILES = tiles if c is None else c[:3]
+        mhc_triton.PROGRAMS = programs if c is None else c[3]
+        name = "current" if c is None else "x".join(map(str, c))
+        try:
+            out[name] = timed(lambda: mhc_triton.hc_pre(h, hc, norm, params))
+        except Exception as exc:
+            out[name] = float("nan")
+            print(name, type(exc).__name__, str(exc)[:200])
+    mhc_triton.PREFILL_TILES, mhc_triton.PROGRAMS = tiles, programs
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--mhc"]:
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "mhc_prefill_8x1024": mhc_sweep()}))
+        return
     report = {
         "gpu": torch.cuda.get_device_name(),
+        "mhc_prefill_8x1024": mhc_sweep(),
         "moe_prefill_8x1024": moe_sweep(),
         "attention_prefill_8x1024": attention_sweep([(0, 1024)] * 8, "PREFILL_CONFIG"),
         "attention_decode_b1_1k": attention_sweep([(1023, 1)], "SPLIT_CONFIG"),

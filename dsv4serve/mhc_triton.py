@@ -22,7 +22,8 @@ from dsv4serve.triton_utils import pow2
 BLOCK_K = 128
 MAX_SPLITS = 128  # K-slices of the mixes GEMV: a single decode token still spreads over 128 programs
 MIX_ROWS = 32  # (2 + hc) * hc = 24 mixes, padded; the last column carries the sum of squares
-PROGRAMS = 1024  # steps of more than 16 tokens: token tiles x K-slices to aim for
+PROGRAMS = 512  # steps of more than 16 tokens: token tiles x K-slices to aim for
+PREFILL_TILES = (128, 32, 8)  # steps of more than 16 tokens: BLOCK_T, BLOCK_K, warps (H200 sweep, run 12)
 
 
 @triton.jit
@@ -135,7 +136,7 @@ def hc_pre(
     if T == 0:
         return x, post, comb
     K = n * D
-    block_t, block_k = (16, BLOCK_K) if T <= 16 else (64, 64)  # prefill: wider token tiles, no spills
+    block_t, block_k, warps = (16, BLOCK_K, 4) if T <= 16 else PREFILL_TILES
     splits = MAX_SPLITS if T <= 16 else triton.cdiv(PROGRAMS, triton.cdiv(T, block_t))
     splits = min(splits, triton.cdiv(K, BLOCK_K))
     per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
@@ -143,7 +144,7 @@ def hc_pre(
     ws = torch.empty(splits, T, MIX_ROWS, dtype=torch.float32, device=h.device)
     _mix_partials_kernel[(triton.cdiv(T, block_t), splits)](
         h, hc.fn, ws, T, K, per_split, (2 + n) * n, h.stride(0),
-        BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, num_warps=4,
+        BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, num_warps=warps,
     )  # fmt: skip
     _hc_pre_epilogue_kernel[(T,)](
         h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, splits, h.stride(0), h.stride(1),
