@@ -26,7 +26,7 @@ from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.attention.step import StepMeta, prepare_step
 from dsv4serve.moe.experts import routed_experts_reference
-from dsv4serve.moe.routing import gating_top_k, route
+from dsv4serve.moe.routing import gating_top_k
 from dsv4serve.quant import Weight, linear
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ SparseAttention = Callable[
 @dataclass(frozen=True)
 class Backend:
     """One implementation of every op family. Shapes and contracts: the reference functions named
-    in `REFERENCE` (attention/reference.py, mhc.py, attention/core.py, moe/experts.py, quant.py)."""
+    in `REFERENCE` (attention/reference.py, mhc.py, attention/core.py, moe/, quant.py)."""
 
     name: str
     prepare: Prepare  # (batch, tables, rope, sliding_window, state sentinels) -> StepMeta
@@ -58,16 +58,15 @@ class Backend:
     sparse_attention: SparseAttention
     hc_pre: HcPre
     hc_post: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-    route: Callable[..., tuple[Tensor, Tensor]]  # routing.route's keywords -> (weights, expert ids)
+    gating_top_k: Callable[..., tuple[Tensor, Tensor]]  # moe/routing.py: npu_moe_gating_top_k's contract
     routed_experts: Callable[..., Tensor]
     hadamard: Callable[[Tensor], Tensor]
-    # MLA (attention/mla.py) and the npu_moe_gating_top_k router (moe/routing.py): GLM-4.7-Flash's families
+    # MLA (attention/mla.py): GLM-4.7-Flash's families
     qkv_split_norm: Callable[..., mla.QkvLatents] = mla.qkv_split_norm
     mla_store: Callable[[Tensor, mla.MlaMeta, Tensor, Tensor], None] = mla.store_latents
     mla_attention: Callable[[Tensor, Tensor, Tensor, Tensor, mla.MlaMeta, mla.MlaDims], Tensor] = (
         mla.mla_attention
     )
-    gating_top_k: Callable[..., tuple[Tensor, Tensor]] = gating_top_k
 
 
 REFERENCE = Backend(
@@ -83,7 +82,7 @@ REFERENCE = Backend(
     sparse_attention=reference.sparse_attention,
     hc_pre=mhc.hc_pre,
     hc_post=mhc.hc_post,
-    route=route,
+    gating_top_k=gating_top_k,
     routed_experts=routed_experts_reference,
     hadamard=hadamard_transform,
 )

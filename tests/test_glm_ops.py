@@ -1,4 +1,5 @@
-"""GLM's op families on fresh random inputs: the two MLA forms, the fused split + q/kv norm, the router."""
+"""GLM's op families on fresh random inputs: the two MLA forms, the fused split + q/kv norm, the router
+(GLM's, and DSV4's through the same op)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from dsv4serve.attention.core import rms_norm
 from dsv4serve.attention.metadata import BatchItem, build_forward_batch
 from dsv4serve.attention.mla import MlaDims, mla_attention, mla_meta, qkv_split_norm, rope_inv_freq
-from dsv4serve.moe.routing import gating_top_k, route
+from dsv4serve.moe.routing import gating_top_k
 
 DIMS = MlaDims(
     num_heads=3,
@@ -119,22 +120,44 @@ def test_gating_top_k_matches_glm_router_grouped() -> None:
     torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
 
 
-def test_gating_top_k_is_dsv4_route_for_sqrtsoftplus_and_hash() -> None:
-    gen = torch.Generator().manual_seed(3)
-    x, gate = torch.randn(20, 16, generator=gen), torch.randn(8, 16, generator=gen)
-    bias = torch.randn(8, generator=gen)
-    ref_w, ref_ids = route(x, gate, top_k=3, scoring="sqrtsoftplus", scaling=1.5, bias=bias)
-    w, ids = gating_top_k(F.linear(x, gate), 3, bias=bias, norm_type=2, routed_scaling_factor=1.5)
-    order, ref_order = ids.long().sort(-1), ref_ids.sort(-1)
-    assert torch.equal(order.values, ref_order.values)
-    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
-    tid2eid = torch.rand(30, 8, generator=gen).argsort(1)[:, :3]
-    input_ids = torch.randint(0, 30, (20,), generator=gen)
-    ref_w, ref_ids = route(
-        x, gate, top_k=3, scoring="sqrtsoftplus", scaling=1.5, tid2eid=tid2eid, input_ids=input_ids
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = ids.long().sort(-1)
+    return order.values, weights.gather(1, order.indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gating_top_k_is_transformers_dsv4_router_bit_for_bit(dtype: torch.dtype) -> None:
+    """DSV4's call (logits in the activation dtype, norm_type 2): transformers' DeepseekV4 top-k and
+    hash routers' experts exactly and their weights bit for bit in bf16 (the contract's fp32 scoring
+    of bf16 logits is not); in fp32 to the last bits, the k weights being summed in another order."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4HashRouter,
+        DeepseekV4TopKRouter,
     )
-    w, ids = gating_top_k(
-        F.linear(x, gate), 3, input_ids=input_ids, tid2eid=tid2eid, norm_type=2, routed_scaling_factor=1.5
+
+    cfg = DeepseekV4Config(
+        hidden_size=64, num_local_experts=256, num_experts_per_tok=6, vocab_size=100, num_hidden_layers=2
     )
-    assert torch.equal(ids.long(), ref_ids)
-    torch.testing.assert_close(w, ref_w)
+    topk, hashed = DeepseekV4TopKRouter(cfg), DeepseekV4HashRouter(cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        weight = torch.randn(256, 64, generator=gen) / 8
+        topk.weight.copy_(weight), hashed.weight.copy_(weight)
+        topk.e_score_correction_bias.copy_(torch.randn(256, generator=gen) * 0.1)
+        hashed.tid2eid.copy_(torch.rand(100, 256, generator=gen).argsort(1)[:, :6])
+    topk.weight.data, hashed.weight.data = topk.weight.data.to(dtype), hashed.weight.data.to(dtype)
+    x = torch.randn(512, 64, generator=gen).to(dtype)
+    input_ids = torch.randint(0, 100, (512,), generator=gen)
+    logits = F.linear(x, topk.weight).detach()
+    common = {"norm_type": 2, "routed_scaling_factor": cfg.routed_scaling_factor}
+    with torch.no_grad():
+        _, ref_w, ref_ids = topk(x)
+        got = _by_expert(*gating_top_k(logits, 6, bias=topk.e_score_correction_bias, **common))
+        want = _by_expert(ref_w, ref_ids)
+        _, ref_w, ref_ids = hashed(x, input_ids)
+        w, ids = gating_top_k(logits, 6, input_ids=input_ids, tid2eid=hashed.tid2eid, **common)
+    assert torch.equal(got[0], want[0]) and torch.equal(ids.long(), ref_ids)
+    tol = {"rtol": 0.0, "atol": 0.0} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 0.0}
+    torch.testing.assert_close(got[1], want[1], **tol)
+    torch.testing.assert_close(w, ref_w, **tol)

@@ -27,7 +27,7 @@ def test_every_kernel_compiles_for_sm90() -> None:
         *kernels,
         "_close_windows_kernel",
         "_gate_up_kernel",
-        "_route_kernel",
+        "_gating_top_k_kernel",
         "_split_norm_kernel",
     ):
         assert report["kernels"].get(kernel, 0) > 0, kernel

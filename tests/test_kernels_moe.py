@@ -1,6 +1,7 @@
 """Triton routed experts (grouped GEMM over the chosen experts only) against the reference: float and
 int8, decode-sized and prefill-sized batches, experts with no tokens, an expert twice for one token's
-slots never (top-k ids are distinct) but many tokens on one expert (interpreter on CPU)."""
+slots never (top-k ids are distinct) but many tokens on one expert; int32 ids, as the router gives
+them (interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from dsv4serve.moe.experts import routed_experts_reference
 from dsv4serve.moe.experts_triton import align, align_torch, grouped_mm_experts, routed_experts
-from dsv4serve.moe.routing import route
+from dsv4serve.moe.routing import gating_top_k
 from dsv4serve.quant import quantize_int8
 from tests.kernel_cases import on_device
 
@@ -21,7 +22,7 @@ def _inputs(tokens: int, experts: int, top_k: int, seed: int, skew: bool = False
     x = torch.randn(tokens, hidden, generator=gen)
     gate = torch.randn(experts, hidden, generator=gen)
     bias = torch.randn(experts, generator=gen) * (4.0 if skew else 0.1)  # skew: a few hot experts
-    weights, ids = route(x, gate, top_k=top_k, scoring="sqrtsoftplus", scaling=1.5, bias=bias)
+    weights, ids = gating_top_k(x @ gate.T, top_k, bias=bias, norm_type=2, routed_scaling_factor=1.5)
     w1 = torch.randn(experts, inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
     w3 = torch.randn(experts, inter, hidden, generator=gen) / hidden**0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsv4serve.moe.experts import routed_experts_reference, swiglu
-from dsv4serve.moe.routing import route, score_fn
+from dsv4serve.moe.routing import gating_top_k, score_fn
 
 
 def _experts(num: int, hidden: int, inter: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -42,22 +42,26 @@ def test_bias_changes_selection_not_weights() -> None:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
     gate = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
     bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 100.0])  # expert 5 always chosen
-    weights, ids = route(x, gate, top_k=2, scoring="sqrtsoftplus", scaling=2.0, bias=bias)
+    weights, ids = gating_top_k(x @ gate.T, 2, bias=bias, norm_type=2, routed_scaling_factor=2.0)
     assert (ids == 5).any(dim=1).all()
-    scores = score_fn(x @ gate.T, "sqrtsoftplus").gather(1, ids)
+    scores = score_fn(x @ gate.T, "sqrtsoftplus").gather(1, ids.long())
     assert torch.allclose(weights, 2.0 * scores / scores.sum(-1, keepdim=True))
 
 
 def test_hash_routing_uses_the_token_table() -> None:
-    x = torch.randn(3, 8)
     table = torch.tensor([[0, 1], [2, 3], [4, 5], [1, 4]])
-    _, ids = route(
-        x,
-        torch.randn(6, 8),
-        top_k=2,
-        scoring="sqrtsoftplus",
-        scaling=1.0,
-        tid2eid=table,
+    _, ids = gating_top_k(
+        torch.randn(3, 6),
+        2,
         input_ids=torch.tensor([3, 0, 2]),
+        tid2eid=table,
+        norm_type=2,
+        bias=torch.ones(6),
     )
     assert ids.tolist() == [[1, 4], [0, 1], [4, 5]]
+
+
+def test_softmax_weights_are_not_renormalized() -> None:
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(4))
+    weights, ids = gating_top_k(x, 3, norm_type=0, routed_scaling_factor=1.5)
+    torch.testing.assert_close(weights, 1.5 * x.softmax(-1).gather(1, ids.long()))

@@ -79,3 +79,22 @@ def test_npu_router_without_the_op_takes_the_reference() -> None:
     got = npu_gating_top_k(x, 2, npu=types.SimpleNamespace(), fallback=gating_top_k, norm_type=1)
     want = gating_top_k(x, 2, norm_type=1)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_npu_router_leaves_unset_options_out_for_older_builds() -> None:
+    """DSV4's top-k layers pass input_ids=None, tid2eid=None; an op without those keywords still runs."""
+
+    def older_op(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, norm_type=0,
+                 out_flag=False, routed_scaling_factor=1.0, eps=1e-20):  # fmt: skip
+        return fake_gating_top_k(
+            x, k, bias=bias, norm_type=norm_type, routed_scaling_factor=routed_scaling_factor
+        )
+
+    x, bias = torch.randn(7, 12), torch.randn(12)
+    options = {"bias": bias, "input_ids": None, "tid2eid": None, "norm_type": 2, "routed_scaling_factor": 1.5}
+    got = npu_gating_top_k(
+        x, 3, npu=types.SimpleNamespace(npu_moe_gating_top_k=older_op), fallback=gating_top_k, **options
+    )
+    want = gating_top_k(x, 3, **options)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0])

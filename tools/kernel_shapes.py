@@ -119,12 +119,13 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
     ops.routed_experts(x, weights, ids, w1, w2, w3, 10.0)
     shared = (w1[0], w2[0], w3[0])
     ops.routed_experts(x, weights, ids, w1, w2, w3, 10.0, shared)
-    gate = torch.randn(E, hidden).to(tdt)
-    ops.route(x, gate, top_k=k, scoring="sqrtsoftplus", scaling=1.5, bias=torch.randn(E))
+    logits = ops.linear(x, torch.randn(E, hidden).to(tdt))  # (T, E)
+    for norm_type in (0, 1, 2):
+        ops.gating_top_k(logits, k, bias=torch.randn(E), norm_type=norm_type, routed_scaling_factor=1.5)
     table = torch.stack([torch.randperm(E)[:k] for _ in range(cfg.vocab_size)])
-    ops.route(
-        x, gate, top_k=k, scoring="sqrtsoftplus", scaling=1.5, tid2eid=table, input_ids=case.batch.input_ids
-    )
+    ops.gating_top_k(logits, k, input_ids=case.batch.input_ids, tid2eid=table, norm_type=2)
+    groups = {"k_group": 2, "group_count": 2, "group_select_mode": 1}  # GLM's grouped routing, fp32 logits
+    ops.gating_top_k(logits.float(), 2, bias=torch.randn(E), norm_type=1, **groups)
     if dtype == "bfloat16":
         q1, q2, q3 = (quantize_int8(w.float()) for w in (w1, w2, w3))
         ops.routed_experts(x, weights, ids, q1, q2, q3, 10.0)

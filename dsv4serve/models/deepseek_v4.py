@@ -19,6 +19,7 @@ from dsv4serve.attention.step import StepMeta
 from dsv4serve.config import ModelConfig
 from dsv4serve.memory.pools import flat
 from dsv4serve.mhc import HcParams, HyperConnection, hc_head
+from dsv4serve.moe.routing import SCORINGS
 from dsv4serve.quant import Weight
 
 if TYPE_CHECKING:
@@ -154,16 +155,18 @@ class DeepseekV4:
 
     def _moe(self, x: torch.Tensor, w: MoEWeights, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
-        weights, ids = self.ops.route(
-            x,
-            w.gate,
-            top_k=cfg.num_experts_per_tok,
-            scoring=cfg.scoring_func,
-            scaling=cfg.routed_scaling_factor,
+        softmax = cfg.scoring_func == "softmax"
+        weights, ids = self.ops.gating_top_k(
+            self.ops.linear(x, w.gate),  # (T, E) logits in x's dtype
+            cfg.num_experts_per_tok,
             bias=w.bias,
+            input_ids=batch.input_ids if w.tid2eid is not None else None,
             tid2eid=w.tid2eid,
-            input_ids=batch.input_ids,
+            norm_type=SCORINGS.index(cfg.scoring_func),
+            routed_scaling_factor=1.0 if softmax else cfg.routed_scaling_factor,
         )
+        if softmax:  # the op never renormalizes softmax weights; DSV4 renormalizes every score function
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         return self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit, w.shared)
 
 

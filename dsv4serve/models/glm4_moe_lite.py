@@ -401,4 +401,4 @@ class Glm4MoeLite:
             norm_type=1,
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
-        return ops.routed_experts(x, weights.to(x.dtype), ids.long(), *w.experts, math.inf, w.shared)
+        return ops.routed_experts(x, weights.to(x.dtype), ids, *w.experts, math.inf, w.shared)

@@ -70,7 +70,8 @@ def _align_small_kernel(
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair id per padded row (blocks * block_m,), n = padding; expert per block (blocks,), E = none)."""
+    """ids (T, k), int32 or int64 -> (pair id per padded row (blocks * block_m,), n = padding; expert
+    per block (blocks,), E = none)."""
     flat = ids.reshape(-1)
     n = flat.numel()
     max_blocks = triton.cdiv(n, block_m) + min(n, num_experts)
@@ -84,7 +85,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
             BLOCK_M=block_m, BLOCK_N=pow2(n, 16), BLOCK_E=bins, CHUNK=64, num_warps=4,
         )  # fmt: skip
         return pairs, block_expert
-    return align_torch(flat, num_experts, block_m, max_blocks)
+    return align_torch(flat.long(), num_experts, block_m, max_blocks)
 
 
 def align_torch(
@@ -291,7 +292,7 @@ def grouped_mm_experts(
     kernel, the reference's rounding), then each token's k rows weighted and summed in slot order,
     read back through the inverse permutation (no scatter). No host sync."""
     T, k = ids.shape
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices  # (P,) pairs by expert, token order within one
     counts = torch.zeros(w1.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat)
@@ -393,7 +394,7 @@ def routed_experts(
         weights = torch.cat([weights, torch.ones(T, 1, dtype=weights.dtype, device=weights.device)], dim=1)
     top_k, num_pairs = ids.shape[1], ids.numel()
     bm, bn, bk, warps = _tiles(num_pairs, fp32, int8)
-    pairs, block_expert = align(ids.long(), num_experts + (shared is not None), bm)
+    pairs, block_expert = align(ids, num_experts + (shared is not None), bm)
     num_blocks = block_expert.numel()
     h = torch.empty(num_blocks * bm, inter, dtype=x.dtype, device=x.device)
     a, a_scale = quantize_rows(x) if int8 else (x, x)

@@ -4,7 +4,9 @@ Written against the documented op (shared/reference/torch_npu_ops.md 1.1); **nev
 NPU**. The op is feature-checked (older builds lack it) and its documented constraints are checked
 before the call (E <= 2048, E % group_count == 0, E / group_count > 2, k <= k_group * E /
 group_count, hash routing only with input_ids and tid2eid on builds that take them); anything else
-takes the reference. Scores come back in fp32 for the weights' sum, as the op computes them.
+takes the reference. Unset options (None) are left out of the call (older builds lack `input_ids`
+and `tid2eid`). The op scores in fp32 whatever x's dtype: on bf16 logits (DSV4's) its weights and,
+for a few tokens, its experts differ from the reference's, which rounds as transformers does.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def npu_gating_top_k(
     op = getattr(npu, "npu_moe_gating_top_k", None)
     if op is None or not _supported(x, k, options):
         return fallback(x, k, **options)
+    options = {name: value for name, value in options.items() if value is not None}
     bias = options.get("bias")
     if isinstance(bias, torch.Tensor):
         options = {**options, "bias": bias.to(x.dtype)}  # the op takes bias in x's dtype
