@@ -133,7 +133,7 @@ def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> 
 
 def mhc_sweep(tokens: int = 8192) -> dict[str, float]:
     """Median ms of one hc_pre (mixes + epilogue) at Flash's hidden size per prefill tiling:
-    BLOCK_T x BLOCK_K x warps x target programs."""
+    BLOCK_T x BLOCK_K x warps x K-slices."""
     n, D = 4, FLASH["hidden_size"]
     params = mhc.HcParams(mult=n, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
     hc = mhc.HyperConnection(
@@ -143,20 +143,19 @@ def mhc_sweep(tokens: int = 8192) -> dict[str, float]:
     )
     h = torch.randn(tokens, n, D, device="cuda", dtype=torch.bfloat16)
     norm = torch.randn(D, device="cuda", dtype=torch.bfloat16)
-    tiles, programs = mhc_triton.PREFILL_TILES, mhc_triton.PROGRAMS
-    configs = [(64, 64, 4, 1024), (128, 64, 8, 1024), (128, 32, 8, 256), (128, 32, 4, 512)]
-    configs += [(128, 16, 8, 512), (128, 32, 8, 1024), (256, 32, 8, 512), (256, 16, 8, 256)]
+    tiles, splits = mhc_triton.PREFILL_TILES, mhc_triton.LARGE_SPLITS
+    configs = [(128, 32, 8, 4), (128, 32, 8, 16), (256, 32, 8, 8), (128, 32, 4, 8), (64, 64, 4, 16)]
     out: dict[str, float] = {}
     for c in [None, *configs]:
         mhc_triton.PREFILL_TILES = tiles if c is None else c[:3]
-        mhc_triton.PROGRAMS = programs if c is None else c[3]
+        mhc_triton.LARGE_SPLITS = splits if c is None else c[3]
         name = "current" if c is None else "x".join(map(str, c))
         try:
             out[name] = timed(lambda: mhc_triton.hc_pre(h, hc, norm, params))
         except Exception as exc:
             out[name] = float("nan")
             print(name, type(exc).__name__, str(exc)[:200])
-    mhc_triton.PREFILL_TILES, mhc_triton.PROGRAMS = tiles, programs
+    mhc_triton.PREFILL_TILES, mhc_triton.LARGE_SPLITS = tiles, splits
     return out
 
 

@@ -1,12 +1,12 @@
 """Triton mHC kernels (the contracts of `mhc.hc_pre` / `mhc.hc_post`).
 
 hc_pre runs as two kernels: `_mix_partials` splits the fp32 GEMV `h_flat @ fn^T` (and the sum of
-squares of h_flat) over K-slices, so a single decode token keeps many SMs busy; `_hc_pre_epilogue`
-sums the slices in a fixed order, applies the sigmoids and the Sinkhorn iterations, collapses the
-streams and RMSNorms the block input. Steps of up to 16 tokens always use MAX_SPLITS slices (their
-result never depends on the batch); larger steps use only as many as fill the GPU (about
-PROGRAMS programs): at 8 x 1024 tokens 128 slices wrote a workspace half the size of the streams.
-The epilogue's tile of slices is always MAX_SPLITS wide (masked), so no step size compiles anew.
+squares of h_flat) over K-slices; `_hc_pre_epilogue` sums the slices in a fixed order, applies the sigmoids and the Sinkhorn iterations, collapses the
+streams and RMSNorms the block input. The number of K-slices comes in three classes of step size:
+MAX_SPLITS for steps of up to 16 tokens (a single decode token keeps many SMs busy; the result never
+depends on the batch), MID_SPLITS below LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128
+slices wrote a workspace half the size of the streams). The epilogue's tile of slices follows the
+class, so no more than three variants ever compile.
 hc_post is one elementwise kernel with the reference's rounding steps.
 """
 
@@ -22,7 +22,9 @@ from dsv4serve.triton_utils import pow2
 BLOCK_K = 128
 MAX_SPLITS = 128  # K-slices of the mixes GEMV: a single decode token still spreads over 128 programs
 MIX_ROWS = 32  # (2 + hc) * hc = 24 mixes, padded; the last column carries the sum of squares
-PROGRAMS = 512  # steps of more than 16 tokens: token tiles x K-slices to aim for
+MID_SPLITS = 32  # steps of 17 .. LARGE_STEP - 1 tokens
+LARGE_STEP = 2048
+LARGE_SPLITS = 8  # at 8 x 1024 tokens: 64 token tiles x 8 slices (the H200 sweep, run 13)
 PREFILL_TILES = (128, 32, 8)  # steps of more than 16 tokens: BLOCK_T, BLOCK_K, warps (H200 sweep, run 12)
 
 
@@ -137,7 +139,7 @@ def hc_pre(
         return x, post, comb
     K = n * D
     block_t, block_k, warps = (16, BLOCK_K, 4) if T <= 16 else PREFILL_TILES
-    splits = MAX_SPLITS if T <= 16 else triton.cdiv(PROGRAMS, triton.cdiv(T, block_t))
+    splits = MAX_SPLITS if T <= 16 else MID_SPLITS if T < LARGE_STEP else LARGE_SPLITS
     splits = min(splits, triton.cdiv(K, BLOCK_K))
     per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
     splits = triton.cdiv(K, per_split)
@@ -148,7 +150,7 @@ def hc_pre(
     )  # fmt: skip
     _hc_pre_epilogue_kernel[(T,)](
         h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, splits, h.stride(0), h.stride(1),
-        p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, BLOCK_S=MAX_SPLITS, MIX_ROWS=MIX_ROWS,
+        p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS,
         BLOCK_D=pow2(D), num_warps=8,  # the collapse over hidden dominates: one warp was 3x slower
     )  # fmt: skip
     return x, post, comb

@@ -34,8 +34,8 @@ def test_hc_pre_matches_reference_fp32(tokens: int, dim: int) -> None:
 
 
 def test_hc_pre_prefill_sized_step_uses_few_long_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill-sized step whose K-slices span several BLOCK_K chunks: 2 token tiles x 4 slices."""
-    monkeypatch.setattr(kt, "PROGRAMS", 8)
+    """A prefill-sized step whose K-slices span several BLOCK_K chunks (8 slices of 128 of K = 1024)."""
+    monkeypatch.setattr(kt, "LARGE_STEP", 64)
     T = 100
     gen = torch.Generator().manual_seed(17)
     h = on_device(torch.randn(T, 4, 256, generator=gen))

@@ -64,7 +64,8 @@ def test_top_k_ties_go_to_the_lower_expert_id(norm_type: int, dtype: torch.dtype
     bias = torch.zeros(12)
     for kw in ({}, {"bias": bias}):
         want = gating_top_k(x, 3, norm_type=norm_type, routed_scaling_factor=2.0, **kw)
-        got = triton_gating_top_k(on_device(x), 3, norm_type=norm_type, routed_scaling_factor=2.0, **kw)
+        on = {name: on_device(t) for name, t in kw.items()}  # the kernel's inputs on the test device
+        got = triton_gating_top_k(on_device(x), 3, norm_type=norm_type, routed_scaling_factor=2.0, **on)
         assert torch.equal(want[1], want_ids)
         assert torch.equal(got[1].cpu(), want_ids)
         tol = 1e-6 if dtype == torch.float32 else 1e-2
