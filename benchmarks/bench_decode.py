@@ -39,7 +39,7 @@ from dsv4serve.attention.metadata import BatchItem, build_forward_batch
 from dsv4serve.bench import CoreDriver, sync
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.memory.paged import PoolSizes
+from dsv4serve.memory.sizing_layout import engine_pool_sizes
 from dsv4serve.models.hf_names import official_weights
 from dsv4serve.models.weights import storage_dtype
 
@@ -334,7 +334,7 @@ def main() -> None:
     )
     # the driver prefills every request before any decodes, so each holds its last chunk's SWA slots
     # until then (the engine's sizing assumes a decode soon after): room for one chunk per request
-    sizes = PoolSizes.for_engine(cfg, engine)
+    sizes = engine_pool_sizes(cfg, engine)
     sizes = sizes.with_(swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
     runner = ModelRunner.from_weights(cfg, engine_weights(hf), engine, sizes)
     core = CoreDriver(runner)

@@ -1,12 +1,12 @@
 """Triton mHC kernels (the contracts of `mhc.hc_pre` / `mhc.hc_post`).
 
 hc_pre runs as two kernels: `_mix_partials` splits the fp32 GEMV `h_flat @ fn^T` (and the sum of
-squares of h_flat) over K-slices; `_hc_pre_epilogue` sums the slices in a fixed order, applies the sigmoids and the Sinkhorn iterations, collapses the
-streams and RMSNorms the block input. The number of K-slices comes in three classes of step size:
-MAX_SPLITS for steps of up to 16 tokens (a single decode token keeps many SMs busy; the result never
-depends on the batch), MID_SPLITS below LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128
-slices wrote a workspace half the size of the streams). The epilogue's tile of slices follows the
-class, so no more than three variants ever compile.
+squares of h_flat) over K-slices; `_hc_pre_epilogue` sums the slices in a fixed order, applies the
+sigmoids and the Sinkhorn iterations, collapses the streams and RMSNorms the block input. The number
+of K-slices comes in three classes of step size: MAX_SPLITS for steps of up to 16 tokens (a single
+decode token keeps many SMs busy; the result never depends on the batch), MID_SPLITS below
+LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128 slices wrote a workspace half the size
+of the streams). The epilogue's tile of slices follows the class, so at most three variants compile.
 hc_post is one elementwise kernel with the reference's rounding steps.
 """
 

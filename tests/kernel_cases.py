@@ -21,8 +21,8 @@ from dsv4serve.attention.rope import RopeTables
 from dsv4serve.attention.step import StepMeta, prepare_step
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.memory.allocator import KVAllocator, Refusal
-from dsv4serve.memory.paged import PoolSizes
 from dsv4serve.memory.pools import KVPools, flat
+from dsv4serve.memory.sizing_layout import engine_pool_sizes
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
 
 DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # where the kernels (and their references) run
@@ -100,7 +100,7 @@ def make_case(
         max_total_tokens=(len(requests) + 2) * (longest + 64),
         state_mode=state_mode,
     )
-    sizes = PoolSizes.for_engine(cfg, engine)
+    sizes = engine_pool_sizes(cfg, engine)
     alloc = KVAllocator(cfg, engine, sizes)
     tables = SlotTables(cfg, engine)
     if rng.random() < 0.5:  # an earlier request leaves stale entries behind in the rows

@@ -9,6 +9,7 @@ from memory_fixtures import TINY, P, tiny_engine, tiny_model_dict
 
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.memory import KVAllocator, PoolSizes, PoolUsage, Refusal, keep_start, ring_slots
+from dsv4serve.memory.sizing_layout import engine_pool_sizes
 from dsv4serve.protocol import CacheLocs
 
 FLASH_CONFIG = Path(__file__).resolve().parents[2] / "shared/fixtures/configs/deepseek_v4_flash.config.json"
@@ -155,10 +156,10 @@ def test_ring_mode_slot_formula_and_usage() -> None:
 
 def test_pool_sizes_for_the_tiny_engine() -> None:
     # W = 8, P = 4: swa = min(64, 4 * (ceil(7/4) + 2) + ceil(64/4)) = 32
-    assert PoolSizes.for_engine(TINY, ENGINE) == PoolSizes(
+    assert engine_pool_sizes(TINY, ENGINE) == PoolSizes(
         full=64, swa=32, c4=16 + 4, c128=4 + 4, c4_state=3 * 4, c128_state=9 * 4
     )
-    ring = PoolSizes.for_engine(TINY, ENGINE.with_(state_mode="ring"))
+    ring = engine_pool_sizes(TINY, ENGINE.with_(state_mode="ring"))
     assert (ring.c4_state, ring.c128_state) == (5 * 8 // P, 5 * 16 // P)
 
 
@@ -174,7 +175,7 @@ def test_pools_for_missing_ratios_stay_empty() -> None:
 def test_flash_state_pool_sizes() -> None:
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
     engine = EngineConfig(page_size=128, max_num_seqs=64, max_total_tokens=1 << 20)
-    sizes = PoolSizes.for_engine(flash, engine)
+    sizes = engine_pool_sizes(flash, engine)
     assert (sizes.c4_state * 128, sizes.c128_state * 128) == (16384, 24576)
     usage = KVAllocator(flash, engine, sizes).usage()
     assert (usage["c4_state"].capacity, usage["c128_state"].capacity) == (16384, 24576)

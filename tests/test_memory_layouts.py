@@ -22,7 +22,7 @@ from dsv4serve.config import EngineConfig, ring_size
 from dsv4serve.layout import BufferSpec, KVLayout, PoolSpec
 from dsv4serve.memory import KVAllocator, PoolSizes, Refusal, SlotTables, keep_start, write_cache_locs
 from dsv4serve.memory.buffers import LayoutBuffers
-from dsv4serve.memory.sizing_layout import plan_layout
+from dsv4serve.memory.sizing_layout import engine_pool_sizes, plan_layout
 from dsv4serve.memory.tables import write_cache_locs_batch
 from dsv4serve.protocol import CacheLocs, Drain, ExecutorMsg, KVWriterMsg, StepPlan, TablesReady, WriteLocs
 
@@ -215,7 +215,7 @@ def test_a_third_layout_keeps_every_invariant(data: st.DataObject, mode: str, pa
         max_num_batched_tokens=64,
         state_mode=mode,
     )
-    sizes = PoolSizes.for_engine(TOY, engine) if data.draw(st.booleans()) else data.draw(random_sizes(page))
+    sizes = engine_pool_sizes(TOY, engine) if data.draw(st.booleans()) else data.draw(random_sizes(page))
     if mode == "ring":  # storage for every ring and the sentinel bank
         sizes = sizes.with_(carry=-(-(engine.max_num_seqs + 1) * ring_size(STATE_RATIO) // page))
     run = Run(KVAllocator(TOY, engine, sizes), Shadow(page, mode == "ring"), SlotTables(TOY, engine, "cpu"))
@@ -246,7 +246,7 @@ def test_a_third_layout_keeps_every_invariant(data: st.DataObject, mode: str, pa
 
 def test_the_third_layout_is_sized_and_buffered_from_its_specs() -> None:
     engine = EngineConfig(page_size=4, max_num_seqs=2, max_total_tokens=96, max_num_batched_tokens=16)
-    sizes = PoolSizes.for_engine(TOY, engine)
+    sizes = engine_pool_sizes(TOY, engine)
     # tok: 96 / 4; recent: 2 windows of ceil(5/4) + 1 pages + the step's 16 / 4 + 2; gist: 96 / 3 / 4 + 2;
     # carry: npu_state_pool_size(8, 4, 2) / 4 = max(2, ceil(14.4 / 4) + 1) * 2
     assert sizes == PoolSizes(tok=24, recent=2 * 3 + 4 + 2, gist=8 + 2, carry=5 * 2)
@@ -260,7 +260,7 @@ def test_the_third_layout_is_sized_and_buffered_from_its_specs() -> None:
     assert tables.gist is tables.table("gist")
     ring = engine.with_(state_mode="ring")
     for eng, sentinel in ((engine, 0), (ring, 2 * ring_size(STATE_RATIO))):
-        buffers = LayoutBuffers(LAYOUT, PoolSizes.for_engine(TOY, eng), eng)
+        buffers = LayoutBuffers(LAYOUT, engine_pool_sizes(TOY, eng), eng)
         assert buffers.state_sentinel == {"carry": sentinel}
         assert sorted(buffers.buffers["gist_kv"]) == [1, 2] and sorted(buffers.buffers["carry_rows"]) == [2]
         assert buffers.buffers["carry_rows"][2].dtype == torch.float32

@@ -11,13 +11,13 @@ from memory_fixtures import TINY, P, tiny_engine
 from dsv4serve.memory import (
     KVAllocator,
     KVPools,
-    PoolSizes,
     SlotTables,
     block_table,
     flat,
     write_cache_locs,
     write_cache_locs_batch,
 )
+from dsv4serve.memory.sizing_layout import engine_pool_sizes
 from dsv4serve.protocol import CacheLocs, pack_slots
 
 ENGINE = tiny_engine(max_num_seqs=3, max_total_tokens=200)
@@ -101,7 +101,7 @@ def test_tables_from_the_allocator_give_block_tables(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["paged", "ring"])
 def test_kv_pools_shapes_and_sentinel(mode: str) -> None:
     engine = ENGINE.with_(state_mode=mode, dtype="bfloat16")
-    sizes = PoolSizes.for_engine(TINY, engine)
+    sizes = engine_pool_sizes(TINY, engine)
     pools = KVPools(TINY, sizes, engine)
     assert len(pools.swa) == 4 and pools.swa[0].shape == (sizes.swa + 1, P, 1, 32)
     assert pools.swa[0].dtype == torch.bfloat16

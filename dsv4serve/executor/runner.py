@@ -22,6 +22,7 @@ from dsv4serve.executor.graphs import DecodeGraphs
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
 from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory.paged import PoolSizes
+from dsv4serve.memory.sizing_layout import engine_pool_sizes
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
 from dsv4serve.models.registry import config_from_dir, spec_for
 from dsv4serve.protocol import CacheLocs, SampledToken, StepItem, StepPlan, TopLogprob
@@ -121,7 +122,7 @@ class ModelRunner:
         self.engine, self.model_cfg = engine, cfg
         self.device = torch.device(engine.device)
         self.ops: Backend = ops or select_backend(engine.device)
-        self.sizes = sizes or PoolSizes.for_engine(cfg, engine)
+        self.sizes = sizes or engine_pool_sizes(cfg, engine)
         spec = spec_for(cfg.model_type)
         self.pools = spec.make_pools(cfg, self.sizes, engine)
         self.tables = SlotTables(cfg, engine, self.device)

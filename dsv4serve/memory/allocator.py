@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from dsv4serve.config import EngineConfig, ring_size
 from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory.paged import PagePool, PageRun, PoolSizes, keep_start
+from dsv4serve.memory.sizing_layout import engine_pool_sizes
 from dsv4serve.protocol import SLOT_DTYPE, CacheLocs
 
 
@@ -85,7 +86,7 @@ class KVAllocator:
     def __init__(
         self, model: ServedModelConfig, engine: EngineConfig, sizes: PoolSizes | None = None
     ) -> None:
-        self.sizes = sizes or PoolSizes.for_engine(model, engine)
+        self.sizes = sizes or engine_pool_sizes(model, engine)
         self.page_size = engine.page_size
         self.max_num_seqs = engine.max_num_seqs
         self.max_model_len = engine.resolved_max_model_len(model)

@@ -12,7 +12,7 @@ from collections import deque
 from typing import TYPE_CHECKING, TypeVar
 
 from dsv4serve.config import EngineConfig, ring_size
-from dsv4serve.layout import KVLayout, ServedModelConfig
+from dsv4serve.layout import KVLayout
 from dsv4serve.protocol import SLOT_DTYPE
 
 if TYPE_CHECKING:
@@ -76,13 +76,6 @@ class PoolSizes:
 
     def __repr__(self) -> str:
         return f"PoolSizes({', '.join(f'{k}={v}' for k, v in self._pages.items())})"
-
-    @classmethod
-    def for_engine(cls, model: ServedModelConfig, engine: EngineConfig) -> PoolSizes:
-        """The engine's sizes; the formulas live in memory/sizing_layout.py."""
-        from dsv4serve.memory.sizing_layout import engine_pool_sizes
-
-        return engine_pool_sizes(model, engine)
 
 
 def state_sentinels(layout: KVLayout, sizes: PoolSizes, engine: EngineConfig) -> dict[str, int]:
