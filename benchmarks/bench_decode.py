@@ -293,6 +293,23 @@ def profile_step(core: CoreDriver, run: Any) -> list[dict[str, Any]]:
     return [{"total_us": round(total, 1)}, *rows[:25]]
 
 
+def host_profile(run: Any, steps: int) -> list[dict[str, Any]]:
+    """Host time of `steps` replayed decode steps by op (self CPU time per step, top 15): where the
+    host work that the synchronous core pays goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            run()
+    rows = [
+        {"op": e.key[:80], "self_us_per_step": round(e.self_cpu_time_total / steps, 1), "calls": e.count}
+        for e in prof.key_averages()
+    ]
+    rows.sort(key=lambda r: -r["self_us_per_step"])
+    return rows[:15]
+
+
 def save(args: argparse.Namespace) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(REPORT, indent=1))
@@ -405,13 +422,15 @@ def main() -> None:
                 entry["replay_ms"] = round(replay_ms(runner) or 0.0, 3)
             if batch in args.profile and context == min(args.contexts) and device == "cuda":
                 entry["profile_eager"] = profile_step(core, lambda rids=rids: core.decode(rids, 1))
+            if batch == 1 and context == min(args.contexts) and device == "cuda":
+                entry["host_profile"] = host_profile(lambda rids=rids: core.decode(rids, 1), 8)
             core.free(rids)
             if not args.skip_hf:
                 entry["hf_ms"] = round(hf_run(hf, batch, context, min(args.steps, 8), vocab)["decode_ms"], 3)
                 entry["hf_over_core"] = round(entry["hf_ms"] / entry["core_ms"], 2)
                 entry["hf_over_roofline"] = round(entry["hf_ms"] / roofline, 2)
             REPORT["decode"][key] = entry
-            log("decode", key, {k: v for k, v in entry.items() if k != "profile_eager"})
+            log("decode", key, {k: v for k, v in entry.items() if k not in ("profile_eager", "host_profile")})
             save(args)
     REPORT["engine"] = engine_generate(runner, args, rng)
     REPORT["seconds"] = round(time.perf_counter() - started, 1)
