@@ -32,6 +32,17 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the key."""
 
 
+def read_json_object(file: str | Path) -> dict[str, Any]:
+    """A config file's JSON object, or a ConfigError naming the file."""
+    try:
+        raw = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {str(file)!r}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(file)!r} must hold a JSON object")
+    return raw
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """DeepSeek-V4 architecture, in plain numbers. Field names follow the official checkpoint."""
@@ -170,13 +181,7 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, file: str | Path) -> ModelConfig:
-        try:
-            raw = json.loads(Path(file).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {str(file)!r}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(file)!r} must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_object(file))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

@@ -34,6 +34,14 @@ class Int8Weight:
 
 
 Weight = torch.Tensor | Int8Weight
+Weights = dict[str, Weight]  # a model's tensors by name, as the loader hands them to its builder
+
+
+def plain(w: Weights, name: str) -> torch.Tensor:
+    """A tensor that is never quantized (norms, mHC, sinks, compressor, router, embeddings, head)."""
+    value = w[name]
+    assert isinstance(value, torch.Tensor), f"{name} must stay a plain tensor"
+    return value
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:

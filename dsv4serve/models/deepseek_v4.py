@@ -20,14 +20,12 @@ from dsv4serve.config import ModelConfig
 from dsv4serve.memory.pools import flat
 from dsv4serve.mhc import HcParams, HyperConnection, hc_head
 from dsv4serve.moe.routing import SCORINGS
-from dsv4serve.quant import Weight
+from dsv4serve.quant import Weight, Weights, plain
 
 if TYPE_CHECKING:
     from dsv4serve.backend import Backend
     from dsv4serve.memory.pools import KVPools
     from dsv4serve.memory.tables import SlotTables
-
-Weights = dict[str, Weight]
 
 
 @dataclass(frozen=True)
@@ -52,18 +50,11 @@ class LayerWeights:
     ffn: MoEWeights
 
 
-def _t(w: Weights, name: str) -> torch.Tensor:
-    """A tensor that is never quantized (norms, mHC, sinks, compressor, router, embeddings, head)."""
-    value = w[name]
-    assert isinstance(value, torch.Tensor), f"{name} must stay a plain tensor"
-    return value
-
-
 def _compressor(w: Weights, prefix: str) -> CompressorWeights:
     return CompressorWeights(
-        wkv_gate=torch.cat([_t(w, f"{prefix}.wkv.weight"), _t(w, f"{prefix}.wgate.weight")]),
-        ape=_t(w, f"{prefix}.ape"),
-        norm=_t(w, f"{prefix}.norm.weight"),
+        wkv_gate=torch.cat([plain(w, f"{prefix}.wkv.weight"), plain(w, f"{prefix}.wgate.weight")]),
+        ape=plain(w, f"{prefix}.ape"),
+        norm=plain(w, f"{prefix}.norm.weight"),
     )
 
 
@@ -74,18 +65,18 @@ def _layer(w: Weights, cfg: ModelConfig, i: int) -> LayerWeights:
     if ratio == 4:
         indexer = IndexerWeights(
             wq_b=w[a + "indexer.wq_b.weight"],
-            weights_proj=_t(w, a + "indexer.weights_proj.weight"),
+            weights_proj=plain(w, a + "indexer.weights_proj.weight"),
             compressor=_compressor(w, a + "indexer.compressor"),
         )
     attn = AttentionWeights(
         wq_a=w[a + "wq_a.weight"],
-        q_norm=_t(w, a + "q_norm.weight"),
+        q_norm=plain(w, a + "q_norm.weight"),
         wq_b=w[a + "wq_b.weight"],
         wkv=w[a + "wkv.weight"],
-        kv_norm=_t(w, a + "kv_norm.weight"),
-        wo_a=_t(w, a + "wo_a.weight"),
+        kv_norm=plain(w, a + "kv_norm.weight"),
+        wo_a=plain(w, a + "wo_a.weight"),
         wo_b=w[a + "wo_b.weight"],
-        sinks=_t(w, a + "attn_sink"),
+        sinks=plain(w, a + "attn_sink"),
         compressor=_compressor(w, a + "compressor") if ratio else None,
         indexer=indexer,
     )
@@ -94,9 +85,9 @@ def _layer(w: Weights, cfg: ModelConfig, i: int) -> LayerWeights:
     if cfg.n_shared_experts:
         shared = tuple(w[f"{f}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
     ffn = MoEWeights(
-        gate=_t(w, f + "gate.weight"),
-        bias=_t(w, f + "gate.bias") if f + "gate.bias" in w else None,
-        tid2eid=_t(w, f + "gate.tid2eid") if f + "gate.tid2eid" in w else None,
+        gate=plain(w, f + "gate.weight"),
+        bias=plain(w, f + "gate.bias") if f + "gate.bias" in w else None,
+        tid2eid=plain(w, f + "gate.tid2eid") if f + "gate.tid2eid" in w else None,
         w1=w[f + "experts.w1"],
         w2=w[f + "experts.w2"],
         w3=w[f + "experts.w3"],
@@ -104,10 +95,16 @@ def _layer(w: Weights, cfg: ModelConfig, i: int) -> LayerWeights:
     )
 
     def hc(kind: str) -> HyperConnection:
-        return HyperConnection(*(_t(w, f"{p}hc_{kind}_{part}") for part in ("fn", "base", "scale")))
+        return HyperConnection(*(plain(w, f"{p}hc_{kind}_{part}") for part in ("fn", "base", "scale")))
 
     return LayerWeights(
-        ratio, _t(w, p + "attn_norm.weight"), _t(w, p + "ffn_norm.weight"), hc("attn"), hc("ffn"), attn, ffn
+        ratio,
+        plain(w, p + "attn_norm.weight"),
+        plain(w, p + "ffn_norm.weight"),
+        hc("attn"),
+        hc("ffn"),
+        attn,
+        ffn,
     )
 
 
@@ -117,12 +114,12 @@ class DeepseekV4:
     def __init__(self, cfg: ModelConfig, weights: Weights, rope: RopeTables, ops: Backend) -> None:
         self.cfg, self.rope, self.ops = cfg, rope, ops
         self.embed, self.head, self.norm = (
-            _t(weights, "embed.weight"),
-            _t(weights, "head.weight"),
-            _t(weights, "norm.weight"),
+            plain(weights, "embed.weight"),
+            plain(weights, "head.weight"),
+            plain(weights, "norm.weight"),
         )
         self.hc_head = HyperConnection(
-            _t(weights, "hc_head_fn"), _t(weights, "hc_head_base"), _t(weights, "hc_head_scale")
+            plain(weights, "hc_head_fn"), plain(weights, "hc_head_base"), plain(weights, "hc_head_scale")
         )
         self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
         self.hc = HcParams(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)

@@ -22,7 +22,7 @@ from dsv4serve.attention.mla import MlaDims, MlaMeta, mla_meta, rope_interleaved
 from dsv4serve.config import ConfigError
 from dsv4serve.layout import BufferSpec, KVLayout, PoolSpec
 from dsv4serve.moe.experts import swiglu
-from dsv4serve.quant import Weight
+from dsv4serve.quant import Weight, Weights, plain
 
 if TYPE_CHECKING:
     from dsv4serve.backend import Backend
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 MODEL_TYPE = "glm4_moe_lite"
 Shape = tuple[int, ...]
-Weights = dict[str, Weight]
 ATTN_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm keep the RMSNorm default, not rms_norm_eps
 EXPERT_PARTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # loaded stacked per layer
 
@@ -305,26 +304,20 @@ class GlmLayer:
     mlp: MlpWeights
 
 
-def _t(w: Weights, name: str) -> torch.Tensor:
-    value = w[name]
-    assert isinstance(value, torch.Tensor), f"{name} must stay a plain tensor"
-    return value
-
-
 def _layer(w: Weights, cfg: GlmConfig, i: int) -> GlmLayer:
     a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-    kv_a = _t(w, a + "kv_a_proj_with_mqa.weight")
+    kv_a = plain(w, a + "kv_a_proj_with_mqa.weight")
     if cfg.q_lora_rank is None:
         qkv_a, q_norm, q_b = kv_a, None, w[a + "q_proj.weight"]
     else:
-        qkv_a = torch.cat([_t(w, a + "q_a_proj.weight"), kv_a])
-        q_norm, q_b = _t(w, a + "q_a_layernorm.weight"), w[a + "q_b_proj.weight"]
+        qkv_a = torch.cat([plain(w, a + "q_a_proj.weight"), kv_a])
+        q_norm, q_b = plain(w, a + "q_a_layernorm.weight"), w[a + "q_b_proj.weight"]
     attn = AttnWeights(
         qkv_a,
         q_norm,
         q_b,
-        _t(w, a + "kv_a_layernorm.weight"),
-        _t(w, a + "kv_b_proj.weight"),
+        plain(w, a + "kv_a_layernorm.weight"),
+        plain(w, a + "kv_b_proj.weight"),
         w[a + "o_proj.weight"],
     )
     if cfg.dense_layers[i]:
@@ -333,11 +326,11 @@ def _layer(w: Weights, cfg: GlmConfig, i: int) -> GlmLayer:
         experts = (w[m + "experts.w1"], w[m + "experts.w2"], w[m + "experts.w3"])
         shared = _swiglu_weights(w, m + "shared_experts.") if cfg.n_shared_experts else None
         mlp = MlpWeights(
-            None, _t(w, m + "gate.weight"), _t(w, m + "gate.e_score_correction_bias"), experts, shared
+            None, plain(w, m + "gate.weight"), plain(w, m + "gate.e_score_correction_bias"), experts, shared
         )
     p = f"layers.{i}."
     return GlmLayer(
-        _t(w, p + "input_layernorm.weight"), _t(w, p + "post_attention_layernorm.weight"), attn, mlp
+        plain(w, p + "input_layernorm.weight"), plain(w, p + "post_attention_layernorm.weight"), attn, mlp
     )
 
 
@@ -350,8 +343,8 @@ class Glm4MoeLite:
 
     def __init__(self, cfg: GlmConfig, weights: Weights, ops: Backend) -> None:
         self.cfg, self.ops, self.dims = cfg, ops, cfg.mla
-        self.embed, self.norm = _t(weights, "embed_tokens.weight"), _t(weights, "norm.weight")
-        self.head = self.embed if cfg.tie_word_embeddings else _t(weights, "lm_head.weight")
+        self.embed, self.norm = plain(weights, "embed_tokens.weight"), plain(weights, "norm.weight")
+        self.head = self.embed if cfg.tie_word_embeddings else plain(weights, "lm_head.weight")
         self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
         self.inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, self.embed.device)
 

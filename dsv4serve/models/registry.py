@@ -9,13 +9,12 @@ in `SPECS`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dsv4serve.config import ConfigError, EngineConfig, ModelConfig
+from dsv4serve.config import ConfigError, EngineConfig, ModelConfig, read_json_object
 from dsv4serve.layout import ServedModelConfig
 
 if TYPE_CHECKING:  # the registry imports without torch (the CLI lists its model types)
@@ -179,13 +178,7 @@ def config_from_dict(raw: dict[str, Any]) -> ServedModelConfig:
 
 
 def config_from_json_file(file: str | Path) -> ServedModelConfig:
-    try:
-        raw = json.loads(Path(file).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {str(file)!r}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(file)!r} must hold a JSON object")
-    return config_from_dict(raw)
+    return config_from_dict(read_json_object(file))
 
 
 def config_from_dir(model_dir: str | Path) -> ServedModelConfig:
