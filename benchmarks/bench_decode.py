@@ -22,12 +22,14 @@ call of one eager prefill recorded with its very tensors and replayed back to ba
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -310,6 +312,55 @@ def host_profile(run: Any, steps: int) -> list[dict[str, Any]]:
     return rows[:15]
 
 
+class ThreadSampler:
+    """Samples every other thread's Python stack each `interval` s: per thread, the innermost frames
+    (where it sits, idle waits included) and the share of samples in which each dsv4serve function is
+    on the stack (where `Engine.generate`'s host time goes: the actors' loop, launch and collect)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.stop = interval, threading.Event()
+        self.leaf: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.ours: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.samples: collections.Counter[str] = collections.Counter()
+
+    def __enter__(self) -> ThreadSampler:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self.stop.wait(self.interval):
+            names = {t.ident: t.name[:40] for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, str(ident))
+                self.samples[name] += 1
+                where = lambda f: f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name}:{f.f_lineno})"  # noqa: E731
+                self.leaf[name][where(frame)] += 1
+                seen = set()
+                f: Any = frame
+                while f is not None:
+                    if "dsv4serve" in f.f_code.co_filename:
+                        seen.add(where(f))
+                    f = f.f_back
+                self.ours[name].update(seen)
+
+    def report(self, top: int = 15) -> dict[str, Any]:
+        def shares(c: collections.Counter[str], n: int) -> dict[str, float]:
+            return {f: round(k / n, 3) for f, k in c.most_common(top)}
+
+        return {
+            name: {"samples": n, "leaf": shares(self.leaf[name], n), "dsv4serve": shares(self.ours[name], n)}
+            for name, n in self.samples.items()
+        }
+
+
 def save(args: argparse.Namespace) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(REPORT, indent=1))
@@ -328,6 +379,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs="*", default=[1, 64], help="batches to profile at 1k")
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true", help="tiny dimensions on the CPU: checks the flow")
+    parser.add_argument("--sample-engine", action="store_true", help="where the engine's threads spend time")
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     torch.manual_seed(0)
@@ -432,7 +484,12 @@ def main() -> None:
             REPORT["decode"][key] = entry
             log("decode", key, {k: v for k, v in entry.items() if k not in ("profile_eager", "host_profile")})
             save(args)
-    REPORT["engine"] = engine_generate(runner, args, rng)
+    if args.sample_engine:
+        with ThreadSampler() as sampler:
+            REPORT["engine"] = engine_generate(runner, args, rng)
+        REPORT["engine_host_samples"] = sampler.report()
+    else:
+        REPORT["engine"] = engine_generate(runner, args, rng)
     REPORT["seconds"] = round(time.perf_counter() - started, 1)
     save(args)
     print(json.dumps(REPORT))

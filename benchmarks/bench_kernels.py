@@ -5,7 +5,7 @@ small steps with and without splitting the keys over programs, and the mHC pre-m
 prefill. Prints one JSON object: median ms per variant, with the variant the package uses now marked
 "current".
 
-    python benchmarks/bench_kernels.py [--mhc]   (--mhc: the mHC sweep only)
+    python benchmarks/bench_kernels.py [--mhc | --moe]   (the mHC or the experts sweep only)
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def moe_sweep() -> dict[str, float]:
     current = experts_triton._tiles
     out: dict[str, float] = {}
     tiles = [(64, 128, 64, 8), (128, 64, 64, 8), (128, 128, 64, 8), (64, 64, 64, 4), (128, 128, 32, 8)]
+    grouped, experts_triton.GROUPED_MM_PREFILL = experts_triton.GROUPED_MM_PREFILL, False  # the Triton path
     for tile in [None, *tiles]:
         experts_triton._tiles = current if tile is None else (lambda *_, t=tile: t)  # type: ignore[misc]
         name = "current" if tile is None else "x".join(map(str, tile))
@@ -67,6 +68,7 @@ def moe_sweep() -> dict[str, float]:
             lambda: experts_triton.routed_experts(x, weights, ids, w13[:, :inter], w2, w13[:, inter:], 10.0)
         )
     experts_triton._tiles = current
+    experts_triton.GROUPED_MM_PREFILL = grouped
     if hasattr(torch, "_grouped_mm"):
         try:
             out["torch_grouped_mm"] = timed(
@@ -162,6 +164,9 @@ def mhc_sweep(tokens: int = 8192) -> dict[str, float]:
 def main() -> None:
     if sys.argv[1:] == ["--mhc"]:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "mhc_prefill_8x1024": mhc_sweep()}))
+        return
+    if sys.argv[1:] == ["--moe"]:
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "moe_prefill_8x1024": moe_sweep()}))
         return
     report = {
         "gpu": torch.cuda.get_device_name(),

@@ -3,7 +3,7 @@
 # (.whl: transformers >= 5.23, trio, msgspec, structlog, ...), then runs what the first argument names:
 #   tests  - every Triton kernel test, the golden tests and the pool-poison test on CUDA (graphs on)
 #   bench  - benchmarks/bench_decode.py (JSON to $OUT/bench.json and stdout)
-#   kernels - benchmarks/bench_kernels.py (tile sweeps, JSON to stdout)
+#   kernels - benchmarks/bench_kernels.py [--mhc | --moe] (tile sweeps, JSON to stdout)
 #   all    - bench, then kernels
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -17,7 +17,7 @@ tests)
     DSV4SERVE_TEST_DEVICE=cuda timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_*.py \
         2>&1 | tee "$OUT/kernels.log" | tail -25
     DSV4SERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_golden_dsv4.py \
-        tests/test_golden_engine.py tests/test_pool_poison.py tests/test_golden_glm.py 2>&1 | tee "$OUT/golden.log" | tail -25
+        tests/test_golden_engine.py tests/test_pool_poison.py tests/test_golden_glm.py tests/test_devices.py 2>&1 | tee "$OUT/golden.log" | tail -25
     ;;
 bench)
     shift
@@ -26,7 +26,8 @@ bench)
     tail -40 "$OUT/bench.err"
     ;;
 kernels)
-    DSV4SERVE_TEST_DEVICE=cuda timeout 300 python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.json"
+    shift
+    DSV4SERVE_TEST_DEVICE=cuda timeout 300 python3 benchmarks/bench_kernels.py "$@" 2>&1 | tee "$OUT/kernels.json"
     ;;
 all)
     shift

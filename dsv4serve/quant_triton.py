@@ -3,10 +3,12 @@
 Decode-sized inputs (M <= SKINNY_MAX_M rows) are weight-bandwidth bound: one 16-row tile, the weight
 streamed in wide K tiles, and the K loop split over a fixed number of programs when N alone gives
 too few, so small projections still keep the GPU's memory system busy. Split partials go to an fp32
-(float) or int32 (int8: exact) workspace and are summed in a fixed order by a second kernel: a row's
-result depends only on (N, K), never on the other rows. Larger float inputs go to cuBLAS; larger int8
-ones to the same kernel with large tiles. int8: activations quantized per row (round half to even,
-like torch.round), int8 x int8 products accumulated in int32, scaled by row scale x channel scale.
+(float) or int32 (int8: exact) workspace and the last program of each tile sums them in a fixed order
+(one launch per GEMM: a decode step's graph has one node fewer per split GEMM): a row's result
+depends only on (N, K), never on the other rows or on the programs' timing. Larger float inputs go
+to cuBLAS; larger int8 ones to the same kernel with large tiles. int8: activations quantized per row
+(round half to even, like torch.round), int8 x int8 products accumulated in int32, scaled by row
+scale x channel scale.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def _gemm_kernel(
     w_ptr,
     out_ptr,
     ws_ptr,
+    counter_ptr,
     a_scale_ptr,
     w_scale_ptr,
     M,
@@ -79,11 +82,14 @@ def _gemm_kernel(
     stride_om,
     INT8: tl.constexpr,
     FP32: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """One (BLOCK_M, BLOCK_N) tile over one of SPLITS slices of K. Split partials go to the workspace;
+    the tile's last program to finish (an arrival counter per tile, left at zero again) sums them in
+    slice order, so the result never depends on which program came last."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(2)
@@ -109,46 +115,46 @@ def _gemm_kernel(
         else:
             acc += tl.dot(a, tl.trans(w.to(a.dtype)))
     mask = mmask[:, None] & nmask[None, :]
-    if SPLIT:
-        tl.store(ws_ptr + (s * M + m.to(tl.int64))[:, None] * N + n[None, :], acc, mask=mask)
+    if SPLITS == 1:
+        _store_tile(acc, out_ptr, a_scale_ptr, w_scale_ptr, m, n, mmask, nmask, stride_om, INT8)
     else:
-        if INT8:
-            a_scale = tl.load(a_scale_ptr + m, mask=mmask, other=0.0)
-            w_scale = tl.load(w_scale_ptr + n, mask=nmask, other=0.0)
-            y = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
-        else:
-            y = acc
-        tl.store(
-            out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
-            y.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
+        part = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(part + s * M * N, acc, mask=mask)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")  # after the store
+        if arrived == SPLITS - 1:  # every other slice's partial is in the workspace
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
+            for j in tl.static_range(SPLITS):  # a fixed order: the result never depends on scheduling
+                total += tl.load(part + j * M * N, mask=mask, other=0, cache_modifier=".cg")
+            _store_tile(total, out_ptr, a_scale_ptr, w_scale_ptr, m, n, mmask, nmask, stride_om, INT8)
+            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call (and graph replay)
 
 
 @triton.jit
-def _split_sum_kernel(
-    ws_ptr,
-    out_ptr,
-    a_scale_ptr,
-    w_scale_ptr,
-    M,
-    N,
-    stride_om,
-    SPLITS: tl.constexpr,
-    INT8: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    m = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    nmask = n < N
-    acc = tl.zeros((BLOCK,), tl.int32 if INT8 else tl.float32)
-    for s in tl.static_range(SPLITS):  # a fixed order: the result never depends on scheduling
-        acc += tl.load(ws_ptr + (s * M + m) * N + n, mask=nmask, other=0)
+def _store_tile(acc, out_ptr, a_scale_ptr, w_scale_ptr, m, n, mmask, nmask, stride_om, INT8: tl.constexpr):
     if INT8:
-        y = acc.to(tl.float32) * tl.load(a_scale_ptr + m) * tl.load(w_scale_ptr + n, mask=nmask, other=0.0)
+        a_scale = tl.load(a_scale_ptr + m, mask=mmask, other=0.0)
+        w_scale = tl.load(w_scale_ptr + n, mask=nmask, other=0.0)
+        y = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
     else:
         y = acc
-    tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    tl.store(
+        out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=mmask[:, None] & nmask[None, :],
+    )
+
+
+COUNTER_SLOTS = 1 << 16  # arrival counters (int32, zero between calls): one per output tile of a split GEMM
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters, allocated once (never inside a graph capture's pool: the first
+    split GEMM on a device runs in the warm-up before any capture)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _plan(M: int, N: int, K: int, int8: bool, fp32: bool) -> tuple[int, int, int, int, int, int]:
@@ -181,20 +187,18 @@ def gemm(
     bm, bn, bk, splits, warps, stages = _plan(M, N, K, int8, fp32)
     per_split = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     splits = triton.cdiv(K, per_split)
-    ws = out
+    ws, counters = out, out
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), splits)
     if splits > 1:
         ws = torch.empty(splits, M, N, dtype=torch.int32 if int8 else torch.float32, device=a.device)
+        counters = _counters(a.device)
+        assert grid[0] * grid[1] <= counters.numel(), (M, N)
     a_scale, w_scale = scales if scales is not None else (out, out)
-    _gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), splits)](
-        a, w, out, ws, a_scale, w_scale, M, N, K, per_split, a.stride(0), w.stride(0), out.stride(0),
-        INT8=int8, FP32=fp32, SPLIT=splits > 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    _gemm_kernel[grid](
+        a, w, out, ws, counters, a_scale, w_scale, M, N, K, per_split, a.stride(0), w.stride(0),
+        out.stride(0), INT8=int8, FP32=fp32, SPLITS=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    if splits > 1:
-        block = min(pow2(N), 1024)
-        _split_sum_kernel[(M, triton.cdiv(N, block))](
-            ws, out, a_scale, w_scale, M, N, out.stride(0), SPLITS=splits, INT8=int8, BLOCK=block, num_warps=4
-        )
     return out
 
 

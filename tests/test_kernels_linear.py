@@ -45,3 +45,21 @@ def test_linear_of_no_rows() -> None:
     w = on_device(torch.randn(8, 16))
     assert kt.linear(on_device(torch.zeros(0, 16)), w).shape == (0, 8)
     assert kt.linear(on_device(torch.zeros(0, 16)), quant.quantize_int8(w)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_gemm_is_repeatable_and_leaves_its_counters_at_zero(dtype: torch.dtype) -> None:
+    """The last program of each tile sums the K slices (no second kernel): same bits on every call,
+    also after other split GEMMs, and the arrival counters are zero again after each call."""
+    gen = torch.Generator().manual_seed(3)
+    x = on_device(torch.randn(3, 4096, generator=gen).to(dtype))
+    w = on_device((torch.randn(40, 4096, generator=gen) / 64).to(dtype))
+    other = on_device(torch.randn(70, 4096, generator=gen).to(dtype))
+    assert kt._plan(3, 40, 4096, False, dtype == torch.float32)[3] > 1  # the split path
+    first = kt.gemm(x, w, torch.float32)
+    kt.gemm(x, other, torch.float32)
+    again = kt.gemm(x, w, torch.float32)
+    assert torch.equal(first, again)
+    assert int(kt._counters(first.device).abs().sum()) == 0
+    want = x.float() @ w.float().T
+    assert float((first - want).abs().max()) <= 1e-4 * float(want.abs().max())

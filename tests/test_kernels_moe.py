@@ -46,14 +46,20 @@ def test_align_puts_every_pair_once_in_a_block_of_its_expert() -> None:
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "block_m"), [(1, 256, 6, 16), (64, 256, 6, 16), (37, 8, 3, 4)]
 )
+@pytest.mark.parametrize("shared", [False, True])
 def test_one_program_align_equals_the_torch_align(
-    tokens: int, experts: int, top_k: int, block_m: int
+    tokens: int, experts: int, top_k: int, block_m: int, shared: bool
 ) -> None:
+    """shared: the one-program align appends each token's shared pair (expert E) itself; the torch
+    align gets it concatenated."""
     gen = torch.Generator().manual_seed(tokens)
     ids = on_device(torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]))
-    flat = ids.reshape(-1)
-    max_blocks = -(-flat.numel() // block_m) + min(flat.numel(), experts)
-    got, want = align(ids, experts, block_m), align_torch(flat, experts, block_m, max_blocks)
+    full = torch.cat([ids, torch.full_like(ids[:, :1], experts)], dim=1) if shared else ids
+    flat = full.reshape(-1)
+    bins = experts + shared
+    max_blocks = -(-flat.numel() // block_m) + min(flat.numel(), bins)
+    got = align(ids, bins, block_m, shared=shared)
+    want = align_torch(flat, bins, block_m, max_blocks)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

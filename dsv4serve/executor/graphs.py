@@ -14,9 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch, WindowMeta
+from dsv4serve.devices import copy_to_device
 from dsv4serve.executor.sampling import SamplingBatch, top_k_of
 from dsv4serve.protocol import MAX_TOP_LOGPROBS, StepItem
 
@@ -72,8 +74,10 @@ class _Graph:
         names += ["top_k", "seed", "sample_pos"]
         sizes = [B + 1 if n == "cu_seqlens" else B for n in names]
         self.offsets = dict(zip(names, (sum(sizes[:i]) for i in range(len(sizes))), strict=True))
-        self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
-        self.floats = torch.zeros(2 * B, dtype=torch.float32, device=device)
+        # one buffer, one upload per step: the ints, then 2 * B floats in B int64 words
+        self.inputs = torch.zeros(sum(sizes) + B, dtype=torch.int64, device=device)
+        self.ints = self.inputs[: sum(sizes)]
+        self.floats = self.inputs[sum(sizes) :].view(torch.float32)
         v = {n: self.ints[o : o + s] for (n, o), s in zip(self.offsets.items(), sizes, strict=True)}
         self.forward_batch = ForwardBatch(
             **{n: v[n] for n in names[:8]},
@@ -88,13 +92,12 @@ class _Graph:
         self.out = self.logits = torch.zeros(0)  # static outputs: (2 + 2k, B) sampled, (B, V) logits
 
     def upload(self, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int) -> None:
-        """Copy the step's inputs (items, then padding) into the static buffers, without waiting: each
-        step stages them in fresh pinned memory (the one before may not have been copied yet)."""
-        host_ints = torch.empty(self.ints.shape, dtype=torch.int64, pin_memory=True)
-        host_floats = torch.empty(self.floats.shape, dtype=torch.float32, pin_memory=True)
-        self.fill(host_ints.numpy(), host_floats.numpy(), items, seeds, pad_row)
-        self.ints.copy_(host_ints, non_blocking=True)
-        self.floats.copy_(host_floats, non_blocking=True)
+        """Copy the step's inputs (items, then padding) into the static buffers, without waiting (staged
+        in pinned buffers that the step before may still be reading from: `devices.copy_to_device`)."""
+        host = np.empty(self.inputs.shape, dtype=np.int64)
+        ints = self.ints.numel()
+        self.fill(host[:ints], host[ints:].view(np.float32), items, seeds, pad_row)
+        copy_to_device(self.inputs, torch.from_numpy(host))
 
     def fill(
         self, ints: Any, floats: Any, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int
@@ -132,7 +135,9 @@ class _Graph:
             step(self.forward_batch, self.params)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]
+        # thread_local: the trio thread's slot-table copies (pinned staging, event waits) run while a
+        # worker thread captures; under the default global mode they invalidated the capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # type: ignore[arg-type]
             self.out, self.logits = step(self.forward_batch, self.params)
         self.graph = graph
 

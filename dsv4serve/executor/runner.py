@@ -16,7 +16,7 @@ import torch
 from dsv4serve.attention.metadata import BatchItem, ForwardBatch, build_forward_batch
 from dsv4serve.backend import Backend
 from dsv4serve.config import EngineConfig
-from dsv4serve.devices import check_device
+from dsv4serve.devices import HOST_BUFFERS, check_device
 from dsv4serve.executor.backends import select_backend
 from dsv4serve.executor.graphs import DecodeGraphs
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
@@ -49,7 +49,7 @@ class PendingStep:
     def of(cls, sampled: Sequence[StepItem], out: torch.Tensor, logits: torch.Tensor | None) -> PendingStep:
         if out.device.type != "cuda":
             return cls(tuple(sampled), out.cpu(), None, logits)
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host = HOST_BUFFERS.take(tuple(out.shape), out.dtype)
         host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -60,6 +60,8 @@ class PendingStep:
             self.done.synchronize()
         k = (self.host.shape[0] - 2) // 2
         columns = self.host.T.tolist()  # (S, 2 + 2k): one sampled request's outputs per row
+        if self.done is not None:
+            HOST_BUFFERS.give(self.host)
         outputs = tuple(_sampled(i, c, k) for i, c in zip(self.sampled, columns, strict=True))
         return StepResult(outputs, self.logits)
 

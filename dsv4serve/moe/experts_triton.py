@@ -32,17 +32,25 @@ def _align_small_kernel(
     scratch_ptr,
     N,
     E,
+    K,
     MAX_BLOCKS,
+    SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """One program: the (token, slot) pairs sorted by expert (stable), each expert's run padded to
-    BLOCK_M; `scratch` (2 * BLOCK_E int32) holds per-expert offsets between the two phases."""
+    BLOCK_M; `scratch` (2 * BLOCK_E int32) holds per-expert offsets between the two phases. ids holds K
+    per token; SHARED: each token has a (K+1)-th pair, with the shared expert E - 1."""
     i = tl.arange(0, BLOCK_N)
     valid = i < N
-    expert = tl.load(ids_ptr + i, mask=valid, other=BLOCK_E - 1).to(tl.int32)  # BLOCK_E - 1 >= E: a spare bin
+    if SHARED:
+        t, j = i // (K + 1), i % (K + 1)
+        routed = tl.load(ids_ptr + t * K + j, mask=valid & (j < K), other=0).to(tl.int32)
+        expert = tl.where(valid, tl.where(j < K, routed, E - 1), BLOCK_E - 1)
+    else:
+        expert = tl.load(ids_ptr + i, mask=valid, other=BLOCK_E - 1).to(tl.int32)  # BLOCK_E - 1 >= E: spare
     counts = tl.histogram(expert, BLOCK_E)
     x = tl.arange(0, BLOCK_E)
     counts = tl.where(x < E, counts, 0)
@@ -69,11 +77,15 @@ def _align_small_kernel(
     tl.store(pairs_ptr + row, pair.to(tl.int64), mask=live)
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align(
+    ids: torch.Tensor, num_experts: int, block_m: int, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (T, k), int32 or int64 -> (pair id per padded row (blocks * block_m,), n = padding; expert
-    per block (blocks,), E = none)."""
+    per block (blocks,), E = none). shared: every token's pair k + 1 (pairs T * (k + 1)) is expert
+    num_experts - 1."""
+    T, k = ids.shape
     flat = ids.reshape(-1)
-    n = flat.numel()
+    n = T * (k + shared)
     max_blocks = triton.cdiv(n, block_m) + min(n, num_experts)
     if n <= SMALL_ALIGN:
         pairs = torch.empty(max_blocks * block_m, dtype=torch.int64, device=ids.device)
@@ -81,10 +93,13 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
         bins = pow2(num_experts + 1)
         scratch = torch.empty(2 * bins, dtype=torch.int32, device=ids.device)
         _align_small_kernel[(1,)](
-            flat, pairs, block_expert, scratch, n, num_experts, max_blocks,
-            BLOCK_M=block_m, BLOCK_N=pow2(n, 16), BLOCK_E=bins, CHUNK=64, num_warps=4,
+            flat, pairs, block_expert, scratch, n, num_experts, k, max_blocks,
+            SHARED=shared, BLOCK_M=block_m, BLOCK_N=pow2(n, 16), BLOCK_E=bins, CHUNK=64, num_warps=4,
         )  # fmt: skip
         return pairs, block_expert
+    if shared:
+        last = torch.full((T, 1), num_experts - 1, dtype=ids.dtype, device=ids.device)
+        flat = torch.cat([ids, last], dim=1).reshape(-1)
     return align_torch(flat.long(), num_experts, block_m, max_blocks)
 
 
@@ -214,6 +229,7 @@ def _down_kernel(
     y_ptr,
     NUM_PAIRS,
     NUM_EXPERTS,
+    ROUTED,
     HIDDEN,
     INTER,
     stride_w2,
@@ -248,7 +264,13 @@ def _down_kernel(
         y = acc.to(tl.float32) * hs * s2[None, :]
     else:
         y = acc
-    weight = tl.load(route_ptr + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
+    if HAS_SHARED:  # route holds the ROUTED weights per token; the shared pair (slot ROUTED) weighs 1
+        slot = pair % (ROUTED + 1)
+        w_pair = (pair // (ROUTED + 1)) * ROUTED + slot
+        routed = tl.load(route_ptr + w_pair, mask=pmask & (slot < ROUTED), other=0.0).to(tl.float32)
+        weight = tl.where(slot < ROUTED, routed, 1.0)[:, None]
+    else:
+        weight = tl.load(route_ptr + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
     y = (y.to(DTYPE).to(tl.float32) * weight).to(DTYPE)
     tl.store(y_ptr + pair[:, None] * HIDDEN + n[None, :], y, mask=pmask[:, None] & nmask[None, :])
 
@@ -389,12 +411,12 @@ def routed_experts(
     if prefill_mm:
         assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
         return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit)
-    if shared is not None:  # the shared expert: expert E, chosen by every token with weight 1
-        ids = torch.cat([ids, torch.full((T, 1), num_experts, dtype=ids.dtype, device=ids.device)], dim=1)
-        weights = torch.cat([weights, torch.ones(T, 1, dtype=weights.dtype, device=weights.device)], dim=1)
-    top_k, num_pairs = ids.shape[1], ids.numel()
+    # the shared expert: expert E, every token's pair k + 1 with weight 1 (the kernels add it)
+    routed = ids.shape[1]
+    top_k = routed + (shared is not None)
+    num_pairs = T * top_k
     bm, bn, bk, warps = _tiles(num_pairs, fp32, int8)
-    pairs, block_expert = align(ids, num_experts + (shared is not None), bm)
+    pairs, block_expert = align(ids, num_experts + (shared is not None), bm, shared=shared is not None)
     num_blocks = block_expert.numel()
     h = torch.empty(num_blocks * bm, inter, dtype=x.dtype, device=x.device)
     a, a_scale = quantize_rows(x) if int8 else (x, x)
@@ -418,7 +440,7 @@ def routed_experts(
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
         a2, a2_scale, q2, s2 if int8 else a2, sq2, ss2 if int8 else a2, pairs, block_expert,
-        weights.contiguous(), y, num_pairs, num_experts, hidden, inter, q2.stride(0),
+        weights.contiguous(), y, num_pairs, num_experts, routed, hidden, inter, q2.stride(0),
         INT8=int8, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3,
     )  # fmt: skip

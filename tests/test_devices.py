@@ -1,0 +1,46 @@
+"""Pinned staging of host -> device copies (CUDA only): a ring buffer is written again only after the
+copy queued from it has run, so copies queued behind slow device work keep their values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4serve import devices
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_ring_copies_behind_slow_work_keep_their_values() -> None:
+    g = torch.Generator().manual_seed(0)
+    dst = torch.zeros(3 * devices.RING_SLOTS, 100, dtype=torch.int64, device="cuda")
+    expected = torch.randint(0, 1 << 40, dst.shape, generator=g)
+    torch.cuda._sleep(200_000_000)  # the stream is busy for ~0.1 s: every copy below queues behind it
+    outs = []
+    for i in range(dst.shape[0]):  # three laps of the ring: buffers are reused while copies still wait
+        if i % 2:
+            devices.copy_to_device(dst[i], expected[i])
+        else:
+            outs.append((i, devices.to_device(expected[i], "cuda")))
+    torch.cuda.synchronize()
+    for i, out in outs:
+        assert torch.equal(out.cpu(), expected[i])
+    odd = torch.arange(1, dst.shape[0], 2)
+    assert torch.equal(dst.cpu()[odd], expected[odd])
+
+
+def test_large_copies_and_empty_tensors() -> None:
+    big = torch.arange(devices.RING_BYTES, dtype=torch.int32)  # 4x the ring's buffer: a fresh one
+    assert torch.equal(devices.to_device(big, "cuda").cpu(), big)
+    empty = torch.zeros(2, 0, dtype=torch.float32)
+    assert devices.to_device(empty, "cuda").shape == (2, 0)
+
+
+def test_host_buffers_are_reused_once_given_back() -> None:
+    pool = devices.HostBuffers()
+    a = pool.take((2, 3), torch.float64)
+    assert a.is_pinned()
+    pool.give(a)
+    pool.give(a)  # giving twice must not hand the same buffer to two steps
+    assert pool.take((2, 3), torch.float64) is a
+    assert pool.take((2, 3), torch.float64) is not a
