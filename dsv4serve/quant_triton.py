@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.quant import INT8_MAX, Int8Weight, Weight
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import arrival_counters, pow2
 
 SKINNY_MAX_M = 16
 TARGET_PROGRAMS = 264  # about two per SM of an H200
@@ -145,18 +145,6 @@ def _store_tile(acc, out_ptr, a_scale_ptr, w_scale_ptr, m, n, mmask, nmask, stri
     )
 
 
-COUNTER_SLOTS = 1 << 16  # arrival counters (int32, zero between calls): one per output tile of a split GEMM
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters, allocated once (never inside a graph capture's pool: the first
-    split GEMM on a device runs in the warm-up before any capture)."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
 def _plan(M: int, N: int, K: int, int8: bool, fp32: bool) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits, num_warps, num_stages) from the shape alone."""
     if M <= SKINNY_MAX_M:
@@ -191,8 +179,7 @@ def gemm(
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), splits)
     if splits > 1:
         ws = torch.empty(splits, M, N, dtype=torch.int32 if int8 else torch.float32, device=a.device)
-        counters = _counters(a.device)
-        assert grid[0] * grid[1] <= counters.numel(), (M, N)
+        counters = arrival_counters(a.device, grid[0] * grid[1])
     a_scale, w_scale = scales if scales is not None else (out, out)
     _gemm_kernel[grid](
         a, w, out, ws, counters, a_scale, w_scale, M, N, K, per_split, a.stride(0), w.stride(0),

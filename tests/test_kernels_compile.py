@@ -22,12 +22,13 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert not report["failures"] and report["compiled"] > 50
-    kernels = ("_sparse_attention_kernel", "_split_partials_kernel", "_combine_splits_kernel")
+    kernels = ("_sparse_attention_kernel", "_split_partials_kernel", "_token_meta_kernel")
     for kernel in (
         *kernels,
         "_close_windows_kernel",
         "_gate_up_kernel",
         "_gating_top_k_kernel",
         "_split_norm_kernel",
+        "_window_meta_kernel",
     ):
         assert report["kernels"].get(kernel, 0) > 0, kernel

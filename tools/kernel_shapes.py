@@ -58,7 +58,7 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
     ops = triton_backend()
     tdt = getattr(torch, dtype)
     T, H, D, hidden = case.batch.num_tokens, cfg.num_heads, cfg.head_dim, cfg.hidden_size
-    meta = case.fused
+    meta = ops.prepare(case.batch, case.tables, case.rope, cfg.sliding_window, case.sentinels())
     x = torch.randn(T, hidden).to(tdt)
     ops.rms_norm(x, torch.ones(hidden, dtype=tdt), 1e-6)
     for q_lora in (768, None):  # GLM-4.7-Flash's fused split + q_a / kv_a norm

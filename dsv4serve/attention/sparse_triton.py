@@ -9,8 +9,9 @@ hold reaches the output. The epilogue rotates the output's rope slice back by -p
 
 Small steps (decodes) split each token's keys over programs (flash-decoding): the window and the
 compressed entries are cut into fixed chunks of SPLIT keys, each chunk's program writes its partial
-softmax state (max, sum, unnormalised output), and a combine kernel folds the partials into the sink's
-state in chunk order. One program per (token, heads) would leave the GPU nearly idle at batch 1.
+softmax state (max, sum, unnormalised output), and the token's last program to finish folds the
+partials into the sink's state in chunk order (one launch). One program per (token, heads) would
+leave the GPU nearly idle at batch 1.
 
 Each token's keys are visited in one fixed order with fixed tiles, so its output does not depend on
 what else is in the batch (beyond whether the step is small enough to split).
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.attention.step import StepMeta
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import arrival_counters, pow2
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,15 @@ def _split_partials_kernel(
     stride_qh,
     stride_idx,
     scale,
+    counter_ptr,
+    sinks_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    HALF,
+    stride_ot,
+    stride_oh,
+    stride_cos,
     HAS_CMP: tl.constexpr,
     HAS_IDX: tl.constexpr,
     FP32: tl.constexpr,
@@ -231,9 +241,12 @@ def _split_partials_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     """One chunk of SPLIT keys of one token (window chunks first, then compressed ones): its partial
-    softmax state (max, sum, unnormalised output) for a block of heads, without the sink."""
+    softmax state (max, sum, unnormalised output) for a block of heads, without the sink. The last
+    of the token's split programs to finish (an arrival counter per (token, heads), left at zero
+    again) folds the partials in chunk order into the sink's state and stores the output."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
@@ -267,15 +280,22 @@ def _split_partials_kernel(
         tl.store(acc_ptr + r[:, None] * D + d[None, :], acc, mask=qmask)
         tl.store(ml_ptr + r * 2, m, mask=hmask)
         tl.store(ml_ptr + r * 2 + 1, s_sum, mask=hmask)
+    counter = counter_ptr + t * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:  # after the stores
+        _combine(acc_ptr, ml_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, t, T, H, h, hmask, d, dmask, D, HALF,
+                 W, RATIO, NUM_IDX, WIN_SPLITS, pos, stride_ot, stride_oh, stride_cos, HAS_CMP, HAS_IDX,
+                 SPLIT, BLOCK_H, BLOCK_D, BLOCK_HALF)  # fmt: skip
+        tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
 
 
 @triton.jit
 def _fold_split(acc, m, s_sum, acc_ptr, ml_ptr, sp, T, t, H, h, hmask, d, dmask, D):
     """Fold one split's partial state into the running (acc, max, sum)."""
     r = ((sp * T + t) * H + h).to(tl.int64)
-    m_s = tl.load(ml_ptr + r * 2, mask=hmask, other=-1e30)
-    s_s = tl.load(ml_ptr + r * 2 + 1, mask=hmask, other=0.0)
-    a_s = tl.load(acc_ptr + r[:, None] * D + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_s = tl.load(ml_ptr + r * 2, mask=hmask, other=-1e30, cache_modifier=".cg")  # other programs' stores
+    s_s = tl.load(ml_ptr + r * 2 + 1, mask=hmask, other=0.0, cache_modifier=".cg")
+    dmask2 = hmask[:, None] & dmask[None, :]
+    a_s = tl.load(acc_ptr + r[:, None] * D + d[None, :], mask=dmask2, other=0.0, cache_modifier=".cg")
     m_new = tl.maximum(m, m_s)
     alpha = tl.exp(m - m_new)
     beta = tl.exp(m_s - m_new)
@@ -283,40 +303,13 @@ def _fold_split(acc, m, s_sum, acc_ptr, ml_ptr, sp, T, t, H, h, hmask, d, dmask,
 
 
 @triton.jit
-def _combine_splits_kernel(
-    acc_ptr,
-    ml_ptr,
-    sinks_ptr,
-    out_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    H,
-    D,
-    HALF,
-    W,
-    RATIO,
-    NUM_IDX,
-    WIN_SPLITS,
-    stride_ot,
-    stride_oh,
-    stride_cos,
-    HAS_CMP: tl.constexpr,
-    HAS_IDX: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    """Each token's splits folded in order into the sink's state (max = sink, sum = 1), normalised,
+def _combine(
+    acc_ptr, ml_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, t, T, H, h, hmask, d, dmask, D, HALF, W, RATIO,
+    NUM_IDX, WIN_SPLITS, pos, stride_ot, stride_oh, stride_cos, HAS_CMP: tl.constexpr, HAS_IDX: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """A token's splits folded in order into the sink's state (max = sink, sum = 1), normalised,
     stored, and the rope slice rotated back."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    T = tl.num_programs(0)
-    hmask = h < H
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    pos = tl.load(pos_ptr + t)
     m = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32)
     s_sum = tl.full((BLOCK_H,), 1.0, tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
@@ -443,15 +436,12 @@ def _split_attention(
     fp32 = q.dtype == torch.float32
     common = dict(HAS_CMP=ratio > 0, HAS_IDX=has_idx, SPLIT=cfg.split, BLOCK_H=cfg.block_h,
                   BLOCK_D=pow2(D, 16))  # fmt: skip
-    _split_partials_kernel[(T, triton.cdiv(H, cfg.block_h), splits)](
+    heads = triton.cdiv(H, cfg.block_h)
+    _split_partials_kernel[(T, heads, splits)](
         q, swa, compressed, idx, acc, ml, meta.token_row, meta.positions, tables.swa, cmp_table,
         H, D, meta.sliding_window, max(ratio, 1), num_idx, win_splits, tables.swa.stride(0),
         cmp_table.stride(0), q.stride(0), q.stride(1), stride_idx, scale,
-        FP32=fp32, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps * (2 if fp32 and D >= 256 else 1),
-        num_stages=cfg.num_stages, **common,
-    )  # fmt: skip
-    _combine_splits_kernel[(T, triton.cdiv(H, cfg.block_h))](
-        acc, ml, sinks, out, cos, sin, meta.positions, H, D, cos.shape[-1], meta.sliding_window,
-        max(ratio, 1), num_idx, win_splits, out.stride(0), out.stride(1), cos.stride(0),
-        BLOCK_HALF=pow2(cos.shape[-1]), num_warps=8, **common,
+        arrival_counters(q.device, T * heads), sinks, out, cos, sin, cos.shape[-1], out.stride(0),
+        out.stride(1), cos.stride(0), FP32=fp32, BLOCK_N=cfg.block_n, BLOCK_HALF=pow2(cos.shape[-1]),
+        num_warps=cfg.num_warps * (2 if fp32 and D >= 256 else 1), num_stages=cfg.num_stages, **common,
     )  # fmt: skip

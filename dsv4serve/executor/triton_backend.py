@@ -8,7 +8,7 @@ from functools import partial
 from dsv4serve import mhc_triton, quant_triton
 from dsv4serve.attention import compressor_triton, indexer_triton, mla_triton, norm_rope_triton, sparse_triton
 from dsv4serve.attention.hadamard import hadamard_transform
-from dsv4serve.attention.step import prepare_step
+from dsv4serve.attention.step_triton import prepare_step_fused
 from dsv4serve.backend import Backend
 from dsv4serve.moe import experts_triton, routing_triton
 
@@ -16,7 +16,7 @@ from dsv4serve.moe import experts_triton, routing_triton
 def triton_backend() -> Backend:
     return Backend(
         name="cuda",
-        prepare=partial(prepare_step, with_geometry=False),
+        prepare=prepare_step_fused,
         linear=quant_triton.linear,
         rms_norm=norm_rope_triton.rms_norm,
         rope=norm_rope_triton.rope,
