@@ -5,8 +5,7 @@ small steps with and without splitting the keys over programs, and the mHC pre-m
 prefill. Prints one JSON object: median ms per variant, with the variant the package uses now marked
 "current".
 
-    python benchmarks/bench_kernels.py [--mhc | --moe | --decode]   (the mHC or the experts sweep only;
-    hc_pre's epilogue at decode sizes)
+    python benchmarks/bench_kernels.py [--mhc | --moe]   (the mHC or the experts sweep only)
 """
 
 from __future__ import annotations
@@ -162,34 +161,9 @@ def mhc_sweep(tokens: int = 8192) -> dict[str, float]:
     return out
 
 
-def mhc_decode_sweep() -> dict[str, float]:
-    """Median ms of one hc_pre per epilogue warp count at decode sizes (1, 8, 16 tokens), replayed in
-    a graph as a decode step runs it."""
-    n, D = 4, FLASH["hidden_size"]
-    params = mhc.HcParams(mult=n, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
-    hc = mhc.HyperConnection(
-        fn=torch.randn((2 + n) * n, n * D, device="cuda") * 0.01,
-        base=torch.randn((2 + n) * n, device="cuda"),
-        scale=torch.rand(3, device="cuda") + 0.5,
-    )
-    norm = torch.randn(D, device="cuda", dtype=torch.bfloat16)
-    current, out = mhc_triton.SMALL_EPILOGUE_WARPS, {}
-    for tokens in (1, 8, 16):
-        h = torch.randn(tokens, n, D, device="cuda", dtype=torch.bfloat16)
-        for warps in (None, 1, 2, 4, 8):
-            mhc_triton.SMALL_EPILOGUE_WARPS = current if warps is None else warps
-            name = f"t{tokens}_" + ("current" if warps is None else f"w{warps}")
-            out[name] = timed_graph(lambda h=h: mhc_triton.hc_pre(h, hc, norm, params))
-    mhc_triton.SMALL_EPILOGUE_WARPS = current
-    return out
-
-
 def main() -> None:
     if sys.argv[1:] == ["--mhc"]:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "mhc_prefill_8x1024": mhc_sweep()}))
-        return
-    if sys.argv[1:] == ["--decode"]:
-        print(json.dumps({"gpu": torch.cuda.get_device_name(), "mhc_decode": mhc_decode_sweep()}))
         return
     if sys.argv[1:] == ["--moe"]:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "moe_prefill_8x1024": moe_sweep()}))

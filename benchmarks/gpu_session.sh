@@ -3,7 +3,7 @@
 # (.whl: transformers >= 5.23, trio, msgspec, structlog, ...), then runs what the first argument names:
 #   tests  - every Triton kernel test, the golden tests and the pool-poison test on CUDA (graphs on)
 #   bench  - benchmarks/bench_decode.py (JSON to $OUT/bench.json and stdout)
-#   kernels - benchmarks/bench_kernels.py [--mhc | --moe | --decode] (tile sweeps, JSON to stdout)
+#   kernels - benchmarks/bench_kernels.py [--mhc | --moe] (tile sweeps, JSON to stdout)
 #   all    - bench, then kernels
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -26,7 +26,6 @@ MID_SPLITS = 32  # steps of 17 .. LARGE_STEP - 1 tokens
 LARGE_STEP = 2048
 LARGE_SPLITS = 8  # at 8 x 1024 tokens: 64 token tiles x 8 slices (the H200 sweep, run 13)
 PREFILL_TILES = (128, 32, 8)  # steps of more than 16 tokens: BLOCK_T, BLOCK_K, warps (H200 sweep, run 12)
-SMALL_EPILOGUE_WARPS = 8  # the epilogue's warps for steps of up to 16 tokens
 
 
 @triton.jit
@@ -152,7 +151,7 @@ def hc_pre(
     _hc_pre_epilogue_kernel[(T,)](
         h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, splits, h.stride(0), h.stride(1),
         p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS,
-        BLOCK_D=pow2(D), num_warps=SMALL_EPILOGUE_WARPS if T <= 16 else 8,  # one warp: 3x slower at 8 x 1024
+        BLOCK_D=pow2(D), num_warps=8,  # the collapse over hidden dominates: one warp was 3x slower
     )  # fmt: skip
     return x, post, comb
 

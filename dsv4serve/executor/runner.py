@@ -38,7 +38,8 @@ class StepResult:
 @dataclass(frozen=True)
 class PendingStep:
     """A step queued on the device. `wait()` blocks until its ids are on the host (the GIL is
-    released meanwhile) and returns the step's result."""
+    released meanwhile) and returns the step's result; call it once: its pinned buffer then goes back
+    to `HOST_BUFFERS` for a later step."""
 
     sampled: tuple[StepItem, ...]
     host: torch.Tensor  # (2 + 2k, S) float64 ids, logprobs, k top ids, k top logprobs (async copy)
