@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4serve.config import ConfigError, ModelConfig, npu_state_pool_size
-from dsv4serve.memory.sizing import GIB, count_weights, plan
-from dsv4serve.memory.sizing_layout import token_unit, window_pages
+from dsv4serve.memory.sizing import count_weights, plan
+from dsv4serve.memory.sizing_layout import GIB, token_unit, window_pages
 
 
 def swa_slots_per_request(model: ModelConfig, page_size: int) -> int:

@@ -1,6 +1,6 @@
 """DeepSeek-V4's memory plan: its weights (FP8 / MXFP4 / BF16 formats) and its pools' named figures.
 
-The pools' figures come from the layout plan (`sizing_layout.plan_kv`, for any layout); what this
+The pools' figures come from the layout plan (`sizing_layout.plan_device`, for any layout); what this
 module adds is DSV4's own: the weights by group in the official or BF16 format, and the named fields
 the README and `plan --json` show. DSV4's pools (DESIGN §3), for L layers, L4 of ratio 4, L128 HCA:
   swa         every layer, one K=V row of head_dim per slot; R * (ceil((W-1)/P) + 1) * P slots
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dsv4serve.config import ConfigError, ModelConfig
-from dsv4serve.memory.sizing_layout import DTYPE_BYTES, GIB, plan_kv
+from dsv4serve.memory.sizing_layout import DTYPE_BYTES, plan_device
 
 WEIGHT_FORMATS = ("official", "bf16")
 FP8_BLOCK = 128  # official FP8 linears: one ue8m0 scale byte per 128x128 block
@@ -99,17 +99,8 @@ def plan(
     _check_inputs(dtype, page_size, max_running, hbm_gib, weight_format, num_devices)
     e = DTYPE_BYTES[dtype]
     params, wbytes, groups = count_weights(model, weight_format)
-    w_device = -(-wbytes // num_devices)  # ceil, in integers
+    w_device, kv = plan_device(model, wbytes, dtype, page_size, max_running, hbm_gib, num_devices)
     layout = model.kv_layout
-    kv = plan_kv(
-        layout,
-        kv_bytes=e,
-        page_size=page_size,
-        max_running=max_running,
-        budget_bytes=int(hbm_gib * GIB),
-        weight_bytes=w_device,
-        max_position=model.max_position_embeddings,
-    )
     per_slot, per_request, slots = dict(kv.bytes_per_slot), dict(kv.slots_per_request), dict(kv.slots)
     buffer_per_token = {b.name: b.bytes_per_slot(e) / p.ratio for p in layout.pools for b in p.buffers}
     pool_slots: dict[str, Any] = {f"{name}_slots": slots.get(name, 0) for name in POOLS}

@@ -190,6 +190,29 @@ class LayoutPlan:
         return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in out.items()}
 
 
+def plan_device(
+    model: ServedModelConfig,
+    weight_bytes: int,
+    dtype: str,
+    page_size: int,
+    max_running: int,
+    hbm_gib: float,
+    num_devices: int,
+) -> tuple[int, KVPlan]:
+    """One device's share of the weights (split evenly, rounded up) and the KV plan of its budget."""
+    w_device = -(-weight_bytes // num_devices)  # ceil, in integers
+    kv = plan_kv(
+        model.kv_layout,
+        kv_bytes=DTYPE_BYTES[dtype],
+        page_size=page_size,
+        max_running=max_running,
+        budget_bytes=int(hbm_gib * GIB),
+        weight_bytes=w_device,
+        max_position=model.max_position_embeddings,
+    )
+    return w_device, kv
+
+
 def plan_layout(
     model: ServedModelConfig,
     schema: Mapping[str, Shape],
@@ -204,16 +227,7 @@ def plan_layout(
     e = DTYPE_BYTES[dtype]
     params = sum(math.prod(s) for s in schema.values())
     wbytes = sum(math.prod(s) * (4 if fp32(n) else e) for n, s in schema.items())
-    w_device = -(-wbytes // num_devices)  # ceil, in integers
-    kv = plan_kv(
-        model.kv_layout,
-        kv_bytes=e,
-        page_size=page_size,
-        max_running=max_running,
-        budget_bytes=int(hbm_gib * GIB),
-        weight_bytes=w_device,
-        max_position=model.max_position_embeddings,
-    )
+    w_device, kv = plan_device(model, wbytes, dtype, page_size, max_running, hbm_gib, num_devices)
     return LayoutPlan(
         model_type=model.model_type,
         dtype=dtype,
