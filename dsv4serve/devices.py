@@ -3,7 +3,8 @@
 A plain `.to("cuda")` of a pageable tensor waits for the work already queued on the stream; a step
 planned while the previous one runs must not. Small copies are staged in a ring of persistent pinned
 buffers and copied asynchronously, in stream order: a buffer is written again only once the copy
-queued from it has run (one event per buffer, nearly always complete by then). Allocating pinned
+queued from it has run (one event per buffer, nearly always complete by then; if not, that copy takes a
+fresh pinned buffer: the caller never waits for the device). Allocating pinned
 memory per copy cost ~0.06 ms each on the H200 (`aten::empty` in a host profile of batch-1 decode steps,
 four per step); larger copies (prefill metadata) still take a fresh pinned buffer.
 """
@@ -29,8 +30,7 @@ class _PinnedRing:
         self.device = device
         self.lock = threading.Lock()
         self.slots = [torch.empty(RING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(RING_SLOTS)]
-        with torch.cuda.device(device):
-            self.events = [torch.cuda.Event() for _ in range(RING_SLOTS)]
+        self.events = [torch.cuda.Event() for _ in range(RING_SLOTS)]
         self.used = [False] * RING_SLOTS
         self.next = 0
 
@@ -43,12 +43,14 @@ class _PinnedRing:
             return _queue(host, dst, self.device)
         with self.lock:
             i, self.next = self.next, (self.next + 1) % RING_SLOTS
-            if self.used[i]:
-                self.events[i].synchronize()  # the copy queued from this buffer RING_SLOTS copies ago
+            if self.used[i] and not self.events[i].query():  # its copy, RING_SLOTS copies ago, still queued:
+                host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)  # never wait for the device
+                host.copy_(src)
+                return _queue(host, dst, self.device)
             host = self.slots[i][:nbytes].view(src.dtype).view(src.shape)
             host.copy_(src)
             out = _queue(host, dst, self.device)
-            self.events[i].record()
+            self.events[i].record(torch.cuda.current_stream(self.device))  # the stream the copy went to
             self.used[i] = True
         return out
 

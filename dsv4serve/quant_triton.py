@@ -121,7 +121,8 @@ def _gemm_kernel(
         part = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
         tl.store(part + s * M * N, acc, mask=mask)
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")  # after the store
+        tl.debug_barrier()  # every warp's partial stored before the (one-thread) release below
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:  # every other slice's partial is in the workspace
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
             for j in tl.static_range(SPLITS):  # a fixed order: the result never depends on scheduling

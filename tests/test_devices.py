@@ -44,3 +44,11 @@ def test_host_buffers_are_reused_once_given_back() -> None:
     pool.give(a)  # giving twice must not hand the same buffer to two steps
     assert pool.take((2, 3), torch.float64) is a
     assert pool.take((2, 3), torch.float64) is not a
+
+
+def test_pending_step_waits_once_and_returns_its_result_again() -> None:
+    from dsv4serve.executor.runner import PendingStep
+
+    out = torch.tensor([[5.0], [-0.25]], dtype=torch.float64, device="cuda")  # (2 + 2k, S) with k = 0
+    pending = PendingStep.of((), out[:, :0], None)
+    assert pending.wait() is pending.wait()  # the second call does not read the (given back) buffer again

@@ -281,7 +281,8 @@ def _split_partials_kernel(
         tl.store(ml_ptr + r * 2, m, mask=hmask)
         tl.store(ml_ptr + r * 2 + 1, s_sum, mask=hmask)
     counter = counter_ptr + t * tl.num_programs(1) + tl.program_id(1)
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:  # after the stores
+    tl.debug_barrier()  # every warp's partial stored before the (one-thread) release below
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
         _combine(acc_ptr, ml_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, t, T, H, h, hmask, d, dmask, D, HALF,
                  W, RATIO, NUM_IDX, WIN_SPLITS, pos, stride_ot, stride_oh, stride_cos, HAS_CMP, HAS_IDX,
                  SPLIT, BLOCK_H, BLOCK_D, BLOCK_HALF)  # fmt: skip

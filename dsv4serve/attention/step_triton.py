@@ -96,8 +96,9 @@ def prepare_step_fused(
     """`prepare_step(..., with_geometry=False)` in 1 + (number of ratios) launches."""
     ratios = list(batch.windows)
     tables_ok = all(t.is_contiguous() for t in (rope.main_cos, rope.main_sin, rope.comp_cos, rope.comp_sin))
-    ints = (batch.rows, batch.prefix_lens, batch.seq_lens, batch.cu_seqlens, batch.positions)
-    if len(ratios) > 2 or not tables_ok or any(t.dtype != torch.int64 for t in ints):
+    ints = [batch.token_req, batch.rows, batch.prefix_lens, batch.seq_lens, batch.cu_seqlens, batch.positions]
+    ints += [t for w in batch.windows.values() for t in (w.req, w.index)]
+    if len(ratios) > 2 or not tables_ok or any(t.dtype != torch.int64 or not t.is_contiguous() for t in ints):
         return prepare_step(batch, tables, rope, sliding_window, sentinels, with_geometry=False)
     T, half = batch.num_tokens, rope.main_cos.shape[-1]
     dev, ftype = batch.positions.device, rope.main_cos.dtype

@@ -38,13 +38,14 @@ class StepResult:
 @dataclass(frozen=True)
 class PendingStep:
     """A step queued on the device. `wait()` blocks until its ids are on the host (the GIL is
-    released meanwhile) and returns the step's result; call it once: its pinned buffer then goes back
-    to `HOST_BUFFERS` for a later step."""
+    released meanwhile) and returns the step's result (later calls return the same result: the pinned
+    buffer went back to `HOST_BUFFERS` for a later step after the first)."""
 
     sampled: tuple[StepItem, ...]
     host: torch.Tensor  # (2 + 2k, S) float64 ids, logprobs, k top ids, k top logprobs (async copy)
     done: torch.cuda.Event | None  # recorded after that copy (None on the CPU: already there)
     logits: torch.Tensor | None
+    result: list[StepResult] = dataclasses.field(default_factory=list)  # filled by the first wait()
 
     @classmethod
     def of(cls, sampled: Sequence[StepItem], out: torch.Tensor, logits: torch.Tensor | None) -> PendingStep:
@@ -53,10 +54,12 @@ class PendingStep:
         host = HOST_BUFFERS.take(tuple(out.shape), out.dtype)
         host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(out.device))
         return cls(tuple(sampled), host, done, logits)
 
     def wait(self) -> StepResult:
+        if self.result:  # a second call: the buffer may already serve a later step
+            return self.result[0]
         if self.done is not None:
             self.done.synchronize()
         k = (self.host.shape[0] - 2) // 2
@@ -64,7 +67,8 @@ class PendingStep:
         if self.done is not None:
             HOST_BUFFERS.give(self.host)
         outputs = tuple(_sampled(i, c, k) for i, c in zip(self.sampled, columns, strict=True))
-        return StepResult(outputs, self.logits)
+        self.result.append(StepResult(outputs, self.logits))
+        return self.result[0]
 
 
 def _sampled(item: StepItem, out: list[float], k: int) -> SampledToken:
