@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +102,30 @@ class ServedModel:
 
 def free(usage: dict[str, tuple[int, int]], ignore: Sequence[str] = ()) -> bool:
     return all(used == 0 for name, (used, _) in usage.items() if name not in ignore)
+
+
+@dataclass
+class StreamedChat:
+    """What a streamed chat completion's chunks carried, piece by piece (openai client chunks)."""
+
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # tool-call names, as they came
+    pieces: list[str] = field(default_factory=list)  # tool-call argument fragments
+    reasons: list[Any] = field(default_factory=list)  # finish_reason per choice chunk
+
+
+def collect_stream(chunks: Iterable[Any]) -> StreamedChat:
+    out = StreamedChat()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            out.reasoning.append(getattr(delta, "reasoning_content", None) or "")
+            out.content.append(delta.content or "")
+            for call in delta.tool_calls or []:
+                if call.function and call.function.name:
+                    out.names.append(call.function.name)
+                if call.function and call.function.arguments:
+                    out.pieces.append(call.function.arguments)
+            out.reasons.append(choice.finish_reason)
+    return out

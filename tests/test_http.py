@@ -22,7 +22,7 @@ from dsv4serve.chat.dsml import MARKERS
 from dsv4serve.chat.dsv4 import render_tool_calls
 from dsv4serve.chat.messages import FunctionCall, ToolCallSpec
 from dsv4serve.config import EngineConfig
-from tests.http_harness import ServedModel, free
+from tests.http_harness import ServedModel, collect_stream, free
 
 ENGINE = EngineConfig(max_total_tokens=8192, max_num_seqs=32, max_num_batched_tokens=512)
 MAX_BODY = 1 << 20
@@ -171,22 +171,11 @@ def test_chat_stream_tool_call_with_reasoning(served: ServedModel, client: opena
         stream=True,
         extra_body={"thinking": True},
     )
-    reasoning, content, names, pieces, reasons = [], [], [], [], []
-    for chunk in stream:
-        for choice in chunk.choices:
-            delta = choice.delta
-            reasoning.append(getattr(delta, "reasoning_content", None) or "")
-            content.append(delta.content or "")
-            for call in delta.tool_calls or []:
-                if call.function and call.function.name:
-                    names.append(call.function.name)
-                if call.function and call.function.arguments:
-                    pieces.append(call.function.arguments)
-            reasons.append(choice.finish_reason)
-    assert "".join(reasoning) == "I should look it up." and "".join(content) == "Checking."
-    assert names == ["get_weather"] and len(pieces) > 3 and json.loads("".join(pieces)) == ARGS
-    assert reasons[-1] == "tool_calls"
-    assert not any(m in "".join(content + reasoning) for m in MARKERS)
+    got = collect_stream(stream)
+    assert "".join(got.reasoning) == "I should look it up." and "".join(got.content) == "Checking."
+    assert got.names == ["get_weather"] and len(got.pieces) > 3 and json.loads("".join(got.pieces)) == ARGS
+    assert got.reasons[-1] == "tool_calls"
+    assert not any(m in "".join(got.content + got.reasoning) for m in MARKERS)
 
     whole = client.chat.completions.create(
         model="tiny",

@@ -21,7 +21,7 @@ from dsv4serve.chat.glm_parser import MARKERS
 from dsv4serve.chat.messages import ChatMessage, ChatPrompt, ToolSpec
 from dsv4serve.config import EngineConfig
 from dsv4serve.models.tiny_glm import make_tiny_glm
-from tests.http_harness import ServedModel
+from tests.http_harness import ServedModel, collect_stream
 
 ENGINE = EngineConfig(max_total_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512)
 WEATHER: Any = {
@@ -115,22 +115,11 @@ def test_streamed_tool_call_with_reasoning_equals_whole(served: ServedModel, cli
         "max_tokens": 200,
         "extra_body": {"thinking": True},
     }
-    reasoning, content, names, pieces, reasons = [], [], [], [], []
-    for chunk in client.chat.completions.create(stream=True, **request):  # type: ignore[call-overload]
-        for choice in chunk.choices:
-            delta = choice.delta
-            reasoning.append(getattr(delta, "reasoning_content", None) or "")
-            content.append(delta.content or "")
-            for call in delta.tool_calls or []:
-                if call.function and call.function.name:
-                    names.append(call.function.name)
-                if call.function and call.function.arguments:
-                    pieces.append(call.function.arguments)
-            reasons.append(choice.finish_reason)
-    assert "".join(reasoning) == "I should look it up." and "".join(content) == "Checking."
-    assert names == ["get_weather"] and json.loads("".join(pieces)) == ARGS
-    assert reasons[-1] == "tool_calls"
-    assert not any(m in "".join(content + reasoning) for m in MARKERS)
+    got = collect_stream(client.chat.completions.create(stream=True, **request))  # type: ignore[call-overload]
+    assert "".join(got.reasoning) == "I should look it up." and "".join(got.content) == "Checking."
+    assert got.names == ["get_weather"] and json.loads("".join(got.pieces)) == ARGS
+    assert got.reasons[-1] == "tool_calls"
+    assert not any(m in "".join(got.content + got.reasoning) for m in MARKERS)
 
     whole = client.chat.completions.create(**request)  # type: ignore[call-overload]
     message = whole.choices[0].message
