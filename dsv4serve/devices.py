@@ -22,6 +22,14 @@ RING_SLOTS = 16  # a decode step stages ~4 copies; the host runs at most a step 
 RING_BYTES = 64 << 10  # a graph bucket of 256 requests uploads ~20 KB
 
 
+def pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A pinned host tensor that is never an inference tensor: a buffer first made inside a step's
+    `inference_mode` is written again outside it (the slot tables' copies), which torch refuses for
+    inference tensors."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 class _PinnedRing:
     """Persistent pinned staging buffers of one device, used round robin (thread-safe: the trio
     thread writes slot tables while a worker thread launches a step)."""
@@ -29,7 +37,7 @@ class _PinnedRing:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.lock = threading.Lock()
-        self.slots = [torch.empty(RING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(RING_SLOTS)]
+        self.slots = [pinned((RING_BYTES,), torch.uint8) for _ in range(RING_SLOTS)]
         self.events = [torch.cuda.Event() for _ in range(RING_SLOTS)]
         self.used = [False] * RING_SLOTS
         self.next = 0
@@ -38,13 +46,13 @@ class _PinnedRing:
         """src (host) copied into dst, or into a new device tensor, queued on the current stream."""
         nbytes = src.numel() * src.element_size()
         if nbytes > RING_BYTES:
-            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            host = pinned(tuple(src.shape), src.dtype)
             host.copy_(src)
             return _queue(host, dst, self.device)
         with self.lock:
             i, self.next = self.next, (self.next + 1) % RING_SLOTS
             if self.used[i] and not self.events[i].query():  # its copy, RING_SLOTS copies ago, still queued:
-                host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)  # never wait for the device
+                host = pinned(tuple(src.shape), src.dtype)  # never wait for the device
                 host.copy_(src)
                 return _queue(host, dst, self.device)
             host = self.slots[i][:nbytes].view(src.dtype).view(src.shape)

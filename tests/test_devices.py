@@ -52,3 +52,19 @@ def test_pending_step_waits_once_and_returns_its_result_again() -> None:
     out = torch.tensor([[5.0], [-0.25]], dtype=torch.float64, device="cuda")  # (2 + 2k, S) with k = 0
     pending = PendingStep.of((), out[:, :0], None)
     assert pending.wait() is pending.wait()  # the second call does not read the (given back) buffer again
+
+
+def test_buffers_made_inside_inference_mode_serve_copies_outside_it() -> None:
+    """A step (inference mode) may make the first pinned buffer that the slot tables' copies (outside
+    it) reuse later: torch refuses in-place updates of inference tensors outside inference mode."""
+    pool = devices.HostBuffers()
+    with torch.inference_mode():
+        host = pool.take((4,), torch.float32)
+        ring = devices._PinnedRing(torch.device("cuda", torch.cuda.current_device()))
+    host.copy_(torch.ones(4))
+    dst = torch.zeros(4, dtype=torch.int64, device="cuda")
+    ring.send(torch.arange(4), dst)
+    with torch.inference_mode():
+        ring.send(torch.arange(4) * 2, dst)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), torch.arange(4) * 2) and torch.equal(host, torch.ones(4))
