@@ -124,3 +124,32 @@ async def test_cancel_duplicate_and_context_errors(tiny_dir: Path) -> None:
         )[-1]
         assert isinstance(again, DoneEvent)
     assert_all_free(handle)
+
+
+def test_decodes_launched_in_place_give_the_same_tokens(tiny_dir: Path) -> None:
+    """On a GPU a captured decode graph is launched on the trio thread (no worker-thread hop) and a
+    finished step is collected in place; here every decode takes that path (as if its graph were
+    captured) and must give the tokens of the threaded path."""
+    from dsv4serve import Engine, SamplingParams
+    from dsv4serve.actors.tokenizer_core import load_tokenizer
+    from dsv4serve.executor.graphs import is_decode
+    from dsv4serve.executor.runner import ModelRunner
+
+    prompts = [[0, *range(100, 100 + n)] for n in (3, 17, 30)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    runner = ModelRunner(tiny_dir, ENGINE)
+    inline: list[bool] = []
+
+    def replays(plan: object) -> bool:
+        inline.append(is_decode(plan.items))  # type: ignore[attr-defined]
+        return inline[-1]
+
+    got = []
+    for in_place in (False, True):
+        if in_place:
+            runner.replays = replays  # type: ignore[method-assign]
+        options = SystemOptions(tiny_dir, ENGINE, prebuilt=(runner, load_tokenizer(tiny_dir)))
+        with Engine._of(options) as engine:
+            got.append([c.token_ids for c in engine.generate(prompts, params)])
+    assert any(inline) and not all(inline)  # decodes in place, prefills in worker threads
+    assert got[0] == got[1] and all(len(ids) == 8 for ids in got[1])

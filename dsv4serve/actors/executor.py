@@ -1,9 +1,10 @@
 """The executor actor: launches each ready step on the device and reports `StepDone` to the scheduler.
 
 Two tasks keep the device busy: the launcher queues each step as soon as its tables are ready
-(`launch`: in the system, `ModelRunner.launch` in a worker thread under the device's limiter; it
-returns without waiting for the device), and the reporter waits for the launched steps' results in
-order (`collect`, the GIL released meanwhile) and sends their `StepDone`. So while step N runs, step
+(`launch`: in the system, `ModelRunner.launch` under the device's limiter, in a worker thread unless
+it replays a captured graph; it returns without waiting for the device), and the reporter waits for
+the launched steps' results in order (`collect`, the GIL released meanwhile) and sends their
+`StepDone`. So while step N runs, step
 N + 1 (with its lookahead decodes) is already queued behind it. A step whose launch or collect
 raises fails every one of its items (`StepDone.failed`); the engine keeps serving the others. One
 canonical log line per step.

@@ -93,8 +93,10 @@ def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizer
 
 
 def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
-    """Launches run in a worker thread, under one CapacityLimiter(1) for the device; collects wait in
-    worker threads too (the GIL released)."""
+    """Launches run under one CapacityLimiter(1) for the device: in a worker thread, except the replay
+    of a captured decode graph (~0.1-0.4 ms of host work, less than a thread's round trip costs on top:
+    ~0.17 ms on a 2-core machine); collects of steps still on the device wait in worker threads (the
+    GIL released)."""
     limiter = trio.CapacityLimiter(1)
 
     async def write_locs(locs: Sequence[CacheLocs]) -> None:
@@ -103,9 +105,15 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
         write_cache_locs_batch(runner.tables, locs)
 
     async def launch(plan: StepPlan) -> Collect:
-        pending = await trio.to_thread.run_sync(runner.launch, plan, limiter=limiter)
+        if runner.replays(plan):  # a captured decode step: launched here, without two thread hops
+            async with limiter:
+                pending = runner.launch(plan)
+        else:
+            pending = await trio.to_thread.run_sync(runner.launch, plan, limiter=limiter)
 
         async def collect() -> Sequence[SampledToken]:  # waits for the device, not for the limiter
+            if pending.ready():
+                return pending.wait().outputs
             return (await trio.to_thread.run_sync(pending.wait)).outputs
 
         return collect

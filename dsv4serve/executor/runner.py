@@ -57,6 +57,10 @@ class PendingStep:
         done.record(torch.cuda.current_stream(out.device))
         return cls(tuple(sampled), host, done, logits)
 
+    def ready(self) -> bool:
+        """Whether `wait()` would return at once (the step's outputs are on the host)."""
+        return bool(self.result) or self.done is None or self.done.query()
+
     def wait(self) -> StepResult:
         if self.result:  # a second call: the buffer may already serve a later step
             return self.result[0]
@@ -179,6 +183,12 @@ class ModelRunner:
 
     def write_locs(self, locs: Sequence[CacheLocs]) -> None:
         write_cache_locs_batch(self.tables, locs)
+
+    def replays(self, plan: StepPlan) -> bool:
+        """Whether `launch(plan)` replays a graph already captured: an upload and a graph launch, a
+        short host call (no forward in Python, no capture)."""
+        key = self.graphs.key(plan.items) if self.graphs is not None else None
+        return key is not None and self.graphs is not None and key in self.graphs.graphs
 
     def execute(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> StepResult:
         return self.launch(plan, all_logits, keep_logits).wait()

@@ -8,6 +8,7 @@ gives the PA_ND page ids.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,27 +95,53 @@ def write_cache_locs(tables: SlotTables, locs: CacheLocs) -> None:
             tables.table(pool)[locs.row, start : start + len(data) // 4] = _slots_tensor(data)
 
 
+SMALL_WRITE = 2048  # slots per step up to which the index arithmetic runs in plain Python (decodes)
+
+
 def write_cache_locs_batch(tables: SlotTables, batch: Sequence[CacheLocs]) -> None:
-    """Write many requests' slots at once: host-side index arithmetic (numpy), then one host->device
-    copy and one indexed store into the tables' buffer, queued without waiting for the device."""
+    """Write many requests' slots at once: host-side index arithmetic, then one host->device copy (the
+    int64 flat indices, then the int32 slots, in one byte buffer) and one indexed store into the
+    tables' buffer, queued without waiting for the device. A decode step's few slots are indexed in
+    plain Python (numpy's per-call cost dominated: ~0.15 ms for one request on a 2-core machine);
+    larger steps in numpy."""
     names, n = tables.names, len(tables.names)
     assert all(locs.pools == names and len(locs.packed) == n for locs in batch), names
-    index, values = [], []
+    total = sum(len(data) for locs in batch for data in locs.packed) // 4
+    if not total:
+        return
+    index = _small_index(tables, batch) if total <= SMALL_WRITE else _large_index(tables, batch)
+    values = b"".join(data for p in range(n) for locs in batch if (data := locs.packed[p]))
+    host = torch.frombuffer(bytearray(index + values), dtype=torch.uint8)
+    on_device = to_device(host, tables.flat.device)
+    flat_index = on_device[: 8 * total].view(torch.int64)
+    tables.flat[flat_index] = on_device[8 * total :].view(torch.int32)
+
+
+def _small_index(tables: SlotTables, batch: Sequence[CacheLocs]) -> bytes:
+    """The flat int64 index of every slot, pool by pool, then request by request (the values' order)."""
+    index = array("q")
     for p, pool in enumerate(tables.names):
-        parts = [locs for locs in batch if locs.packed[p]]
-        if not parts:
+        base, width = tables.base[pool], tables.width[pool]
+        for locs in batch:
+            if count := len(locs.packed[p]) // 4:
+                first = base + locs.row * width + tables.first_index(pool, locs)
+                index.extend(range(first, first + count))
+    return index.tobytes()
+
+
+def _large_index(tables: SlotTables, batch: Sequence[CacheLocs]) -> bytes:
+    parts = []
+    for p, pool in enumerate(tables.names):
+        held = [locs for locs in batch if locs.packed[p]]
+        if not held:
             continue
-        counts = np.array([len(locs.packed[p]) // 4 for locs in parts], dtype=np.int64)
+        counts = np.array([len(locs.packed[p]) // 4 for locs in held], dtype=np.int64)
         first = np.array(
-            [locs.row * tables.width[pool] + tables.first_index(pool, locs) for locs in parts], dtype=np.int64
+            [locs.row * tables.width[pool] + tables.first_index(pool, locs) for locs in held], dtype=np.int64
         )
-        before = np.cumsum(counts) - counts  # slots of the earlier parts
-        index.append(tables.base[pool] + np.arange(int(counts.sum())) + np.repeat(first - before, counts))
-        values.append(np.frombuffer(b"".join(locs.packed[p] for locs in parts), dtype=np.int32))
-    if index:
-        packed = torch.from_numpy(np.stack([np.concatenate(index), np.concatenate(values).astype(np.int64)]))
-        on_device = to_device(packed, tables.flat.device)
-        tables.flat[on_device[0]] = on_device[1].int()
+        before = np.cumsum(counts) - counts  # slots of the earlier requests
+        parts.append(tables.base[pool] + np.arange(int(counts.sum())) + np.repeat(first - before, counts))
+    return np.concatenate(parts).astype(np.int64).tobytes()
 
 
 def block_table(table: torch.Tensor, page_size: int) -> torch.Tensor:
