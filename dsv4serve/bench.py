@@ -17,7 +17,7 @@ import torch
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory.allocator import KVAllocator, Refusal
-from dsv4serve.protocol import SamplingSpec, StepItem, StepPlan
+from dsv4serve.protocol import LOOKAHEAD, SamplingSpec, StepItem, StepPlan
 
 GREEDY = SamplingSpec(temperature=0.0)
 
@@ -38,8 +38,8 @@ class CoreDriver:
         self.step = 0
         self.launch_times: list[float] = []  # host time of each step's launch (s): until it returns
 
-    def _run(self, chunks: dict[str, Sequence[int]]) -> float:
-        """One step: each rid's chunk after its cached tokens; returns execute()'s wall time (s)."""
+    def _plan(self, chunks: Mapping[str, Sequence[int]]) -> StepPlan:
+        """Allocate each rid's chunk after its cached tokens and write its slots; the step's plan."""
         items, locs = [], []
         for rid, ids in chunks.items():
             start = self.lengths.get(rid, 0)
@@ -53,16 +53,41 @@ class CoreDriver:
             )
             self.lengths[rid] = start + len(ids)
         self.runner.write_locs(locs)
+        self.step += 1
+        return StepPlan(step=self.step - 1, items=tuple(items))
+
+    def _run(self, chunks: dict[str, Sequence[int]]) -> float:
+        """One step, alone on the device: returns launch + wait's wall time (s)."""
+        plan = self._plan(chunks)
         sync(self.runner.device)
         begin = time.perf_counter()
-        pending = self.runner.launch(StepPlan(step=self.step, items=tuple(items)))
+        pending = self.runner.launch(plan)
         self.launch_times.append(time.perf_counter() - begin)
         result = pending.wait()
         sync(self.runner.device)
         elapsed = time.perf_counter() - begin
-        self.step += 1
         self.last.update({o.rid: o.token_id for o in result.outputs})
         return elapsed
+
+    def decode_overlapped(self, rids: Sequence[str], steps: int) -> float:
+        """`steps` decode steps as the engine's executor runs them: each launched (its input the token
+        the step before samples, taken on the device) before the step before it is waited for, so the
+        host's planning and launch overlap the device's work. Returns the time per step (s) between
+        the first step's result and the last one's."""
+        assert steps >= 2
+        sync(self.runner.device)
+        pending = self.runner.launch(self._plan({rid: (self.last[rid],) for rid in rids}))
+        done = []
+        for n in range(steps):
+            following = None
+            if n + 1 < steps:
+                following = self.runner.launch(self._plan({rid: (LOOKAHEAD,) for rid in rids}))
+            result = pending.wait()
+            done.append(time.perf_counter())
+            self.last.update({o.rid: o.token_id for o in result.outputs})
+            pending = following  # type: ignore[assignment]
+        sync(self.runner.device)
+        return (done[-1] - done[0]) / (steps - 1)
 
     def prefill(self, prompts: Mapping[str, Sequence[int]], budget: int) -> list[float]:
         """Whole prompts in steps of at most `budget` tokens (longer prompts in chunks)."""

@@ -29,6 +29,7 @@ from dsv4serve.config import (
 from dsv4serve.demo import tiny_checkpoint as tiny_checkpoint  # re-exported: `cli.tiny_checkpoint`
 from dsv4serve.logs import LEVELS
 from dsv4serve.logs import configure as configure_logs
+from dsv4serve.logs import configure_default as configure_default_logs
 from dsv4serve.memory.sizing import WEIGHT_FORMATS, plan
 from dsv4serve.memory.sizing_table import render_plan
 from dsv4serve.models.registry import MODEL_TYPES
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
+    configure_default_logs()  # stdout carries a command's output only (bench's JSON): logs to stderr
     try:
         return COMMANDS[args.command].run(args)
     except KeyboardInterrupt:  # Ctrl-C outside a signal-handling loop (e.g. while torch imports)

@@ -45,3 +45,29 @@ def test_a_corrupt_checkpoint_is_one_line_not_a_traceback(
     assert main(["bench", "--model", str(bad), "--requests", "1", "--prompt-len", "4"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_overlapped_decode_gives_the_synchronous_tokens(tiny_model_dir: Path) -> None:
+    """The benchmark's overlapped decode (each step's input the previous step's token, taken on the
+    device, launched before that step is waited for) continues exactly as step-by-step decoding does."""
+    from dsv4serve.bench import CoreDriver
+    from dsv4serve.config import EngineConfig
+    from dsv4serve.executor.runner import ModelRunner
+
+    engine = EngineConfig(device="cpu", page_size=16, max_num_seqs=2, max_num_batched_tokens=64)
+    runner = ModelRunner(tiny_model_dir, engine)
+    tokens = []
+    for overlapped in (False, True):
+        core = CoreDriver(runner)
+        prompts = {"a": [0, *range(100, 120)], "b": [0, *range(200, 207)]}
+        core.prefill(prompts, 64)
+        seen = []
+        for _ in range(5):
+            if overlapped:
+                core.decode_overlapped(list(prompts), 2)
+            else:
+                core.decode(list(prompts), 2)
+            seen.append(dict(core.last))
+        core.free(list(prompts))
+        tokens.append(seen)
+    assert tokens[0] == tokens[1] and len({s["a"] for s in tokens[0]}) > 1
