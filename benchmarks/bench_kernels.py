@@ -5,7 +5,8 @@ small steps with and without splitting the keys over programs, and the mHC pre-m
 prefill. Prints one JSON object: median ms per variant, with the variant the package uses now marked
 "current".
 
-    python benchmarks/bench_kernels.py [--mhc | --moe]   (the mHC or the experts sweep only)
+    python benchmarks/bench_kernels.py [--mhc | --moe | --gemv]   (one sweep only; --gemv: the decode
+        projections' GEMMs at 1 and 8 rows, per tile, in us and GB/s of weight read)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from typing import Any
 
 import torch
+import triton
 
 from dsv4serve import mhc, mhc_triton
 from dsv4serve.attention import sparse_triton
@@ -161,7 +163,53 @@ def mhc_sweep(tokens: int = 8192) -> dict[str, float]:
     return out
 
 
+GEMV_SHAPES = {  # (N, K) of every decode-step projection at DeepSeek-V4-Flash dimensions
+    "wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+    "compressor_c4": (2048, 4096), "compressor_c128": (1024, 4096), "indexer_wq_b": (8192, 1024),
+    "indexer_compressor": (512, 4096), "weights_proj": (64, 4096), "gate": (256, 4096),
+    "head": (129280, 4096),
+}  # fmt: skip
+GEMV_TILES = [  # BLOCK_N, BLOCK_K, warps, stages, target programs
+    (16, 256, 4, 4, 264), (32, 256, 4, 4, 264), (32, 128, 4, 4, 264), (32, 512, 4, 3, 264),
+    (64, 256, 4, 4, 264), (64, 128, 4, 4, 264), (32, 256, 8, 4, 264), (64, 256, 8, 4, 264),
+    (32, 256, 4, 4, 528), (16, 256, 4, 4, 528), (32, 256, 4, 5, 264), (16, 512, 4, 3, 528),
+]  # fmt: skip
+
+
+def gemv_sweep(rows: int) -> dict[str, Any]:
+    """Each decode projection's GEMM at `rows` rows, replayed in a graph, per tile: us and GB/s of
+    weight read (the roofline's measure), next to the current plan."""
+    from dsv4serve import quant_triton
+
+    current = quant_triton._plan
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # 256 MB: more than the L2
+    flush_ms = timed_graph(flush.zero_, 10)
+    out: dict[str, Any] = {}
+    for name, (N, K) in GEMV_SHAPES.items():
+        a = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        row: dict[str, Any] = {}
+        for tile in [None, *GEMV_TILES]:
+            if tile is None:
+                quant_triton._plan = current
+            else:
+                bn, bk, warps, stages, target = tile
+                splits = max(1, min(triton.cdiv(target, triton.cdiv(N, bn)), K // (4 * bk)))
+                quant_triton._plan = lambda *_, c=(16, bn, bk, splits, warps, stages): c  # type: ignore[misc]
+            ms = timed_graph(lambda a=a, w=w: (flush.zero_(), quant_triton.gemm(a, w, torch.bfloat16)), 10)
+            ms -= flush_ms  # each call after the L2 is flushed: a decode step reads every weight cold
+            label = "current" if tile is None else "x".join(map(str, tile))
+            row[label] = {"us": round(ms * 1e3, 1), "gb_s": round(N * K * 2 / (ms * 1e-3) / 1e9)}
+        quant_triton._plan = current
+        out[name] = row
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--gemv"]:
+        report = {"gpu": torch.cuda.get_device_name(), "gemv_m1": gemv_sweep(1), "gemv_m8": gemv_sweep(8)}
+        print(json.dumps(report))
+        return
     if sys.argv[1:] == ["--mhc"]:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "mhc_prefill_8x1024": mhc_sweep()}))
         return

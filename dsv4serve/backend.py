@@ -58,6 +58,7 @@ class Backend:
     sparse_attention: SparseAttention
     hc_pre: HcPre
     hc_post: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    hc_head: Callable[[Tensor, mhc.HyperConnection, Tensor, mhc.HcParams], Tensor]  # collapse + last norm
     gating_top_k: Callable[..., tuple[Tensor, Tensor]]  # moe/routing.py: npu_moe_gating_top_k's contract
     routed_experts: Callable[..., Tensor]
     hadamard: Callable[[Tensor], Tensor]
@@ -82,6 +83,7 @@ REFERENCE = Backend(
     sparse_attention=reference.sparse_attention,
     hc_pre=mhc.hc_pre,
     hc_post=mhc.hc_post,
+    hc_head=mhc.hc_head_norm,
     gating_top_k=gating_top_k,
     routed_experts=routed_experts_reference,
     hadamard=hadamard_transform,

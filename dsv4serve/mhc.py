@@ -3,7 +3,8 @@
 The residual is `hc_mult` streams h (T, hc, hidden). Before a block, `hc_pre` collapses them into the
 block's input (and RMSNorms it, as the block's first op); after it, `hc_post` expands the block output
 back into the streams and mixes in the residual through `comb`, which Sinkhorn iterations make doubly
-stochastic. All mixing math in fp32. The shapes follow torch_npu's `npu_hc_pre_v2` / `npu_hc_post`.
+stochastic; `hc_head_norm` is the final collapse before the LM head. All mixing math in fp32. The
+shapes follow torch_npu's `npu_hc_pre_v2` / `npu_hc_post`.
 """
 
 from __future__ import annotations
@@ -71,3 +72,10 @@ def hc_head(h: torch.Tensor, hc: HyperConnection, p: HcParams) -> torch.Tensor:
     """The final collapse of the streams (T, hc, hidden) -> (T, hidden), before the last norm."""
     pre = torch.sigmoid(mixes(h, hc.fn, p.norm_eps) * hc.scale.float() + hc.base.float()) + p.eps
     return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+
+
+def hc_head_norm(
+    h: torch.Tensor, hc: HyperConnection, norm_weight: torch.Tensor, p: HcParams
+) -> torch.Tensor:
+    """The head's collapse RMSNormed with the model's last norm: the `hc_head` op family."""
+    return rms_norm(hc_head(h, hc, p), norm_weight, p.norm_eps)

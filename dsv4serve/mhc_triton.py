@@ -7,7 +7,8 @@ of K-slices comes in three classes of step size: MAX_SPLITS for steps of up to 1
 decode token keeps many SMs busy; the result never depends on the batch), MID_SPLITS below
 LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128 slices wrote a workspace half the size
 of the streams). The epilogue's tile of slices follows the class, so at most three variants compile.
-hc_post is one elementwise kernel with the reference's rounding steps.
+hc_post is one elementwise kernel with the reference's rounding steps. hc_head (the final collapse and
+the last norm) runs hc_pre's two kernels with the pre weights only.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def _hc_pre_epilogue_kernel(
     BLOCK_S: tl.constexpr,
     MIX_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD: tl.constexpr,  # the head's collapse: pre weights only (no post, no comb), one scale
 ):
     t = tl.program_id(0).to(tl.int64)
     DTYPE = h_ptr.dtype.element_ty
@@ -100,22 +102,23 @@ def _hc_pre_epilogue_kernel(
     sumsq = tl.sum(tl.load(part + MIX_ROWS - 1, mask=smask, other=0.0), axis=0)
     rs = tl.rsqrt(sumsq / K + norm_eps)  # the RMS of the flat streams
     pre_w = tl.sum(tl.load(part[:, None] + n[None, :], mask=smask[:, None], other=0.0), axis=0)
-    post_w = tl.sum(tl.load(part[:, None] + HC + n[None, :], mask=smask[:, None], other=0.0), axis=0)
-    cm = 2 * HC + n[:, None] * HC + n[None, :]  # (HC, HC): row m, column n of comb
-    comb_w = tl.sum(
-        tl.load(part[:, None, None] + cm[None, :, :], mask=smask[:, None, None], other=0.0), axis=0
-    )
     pre = tl.sigmoid(pre_w * rs * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps
-    post = 2.0 * tl.sigmoid(post_w * rs * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + n))
-    logits = comb_w * rs * tl.load(scale_ptr + 2) + tl.load(base_ptr + cm)
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    for _ in tl.static_range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+    if not HEAD:
+        post_w = tl.sum(tl.load(part[:, None] + HC + n[None, :], mask=smask[:, None], other=0.0), axis=0)
+        cm = 2 * HC + n[:, None] * HC + n[None, :]  # (HC, HC): row m, column n of comb
+        comb_w = tl.sum(
+            tl.load(part[:, None, None] + cm[None, :, :], mask=smask[:, None, None], other=0.0), axis=0
+        )
+        post = 2.0 * tl.sigmoid(post_w * rs * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + n))
+        logits = comb_w * rs * tl.load(scale_ptr + 2) + tl.load(base_ptr + cm)
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    tl.store(post_ptr + t * HC + n, post)
-    tl.store(comb_ptr + t * HC * HC + n[:, None] * HC + n[None, :], comb)
+        for _ in tl.static_range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(post_ptr + t * HC + n, post)
+        tl.store(comb_ptr + t * HC * HC + n[:, None] * HC + n[None, :], comb)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     hs = tl.load(h_ptr + t * stride_ht + n[:, None] * stride_hn + d[None, :], mask=dmask[None, :], other=0.0)
@@ -129,14 +132,37 @@ def hc_pre(
     h: torch.Tensor, hc: HyperConnection, norm_weight: torch.Tensor, p: HcParams
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, n, D = h.shape
-    assert n == p.mult and n & (n - 1) == 0 and (2 + n) * n < MIX_ROWS, n
-    assert h.stride(-1) == 1 and h.stride(1) == D, "streams must be contiguous per token"
-    assert hc.fn.dtype == torch.float32 and hc.fn.is_contiguous() and hc.fn.shape == ((2 + n) * n, n * D)
-    x = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    assert hc.fn.shape == ((2 + n) * n, n * D), hc.fn.shape
     post = torch.empty(T, n, dtype=torch.float32, device=h.device)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=h.device)
+    return _collapse(h, hc, norm_weight, p, post, comb), post, comb
+
+
+def hc_head(h: torch.Tensor, hc: HyperConnection, norm_weight: torch.Tensor, p: HcParams) -> torch.Tensor:
+    """The head's collapse + the last norm (the contract of `mhc.hc_head_norm`): hc_pre's kernels
+    with the pre weights only."""
+    _, n, D = h.shape
+    assert hc.fn.shape == (n, n * D) and hc.scale.numel() == 1, (hc.fn.shape, hc.scale.shape)
+    return _collapse(h, hc, norm_weight, p, None, None)
+
+
+def _collapse(
+    h: torch.Tensor,
+    hc: HyperConnection,
+    norm_weight: torch.Tensor,
+    p: HcParams,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+) -> torch.Tensor:
+    """The normed block input (T, hidden); fills post and comb unless this is the head (both None)."""
+    T, n, D = h.shape
+    head = post is None
+    assert n == p.mult and n & (n - 1) == 0 and (2 + n) * n < MIX_ROWS, n
+    assert h.stride(-1) == 1 and h.stride(1) == D, "streams must be contiguous per token"
+    assert hc.fn.dtype == torch.float32 and hc.fn.is_contiguous()
+    x = torch.empty(T, D, dtype=h.dtype, device=h.device)
     if T == 0:
-        return x, post, comb
+        return x
     K = n * D
     block_t, block_k, warps = (16, BLOCK_K, 4) if T <= 16 else PREFILL_TILES
     splits = MAX_SPLITS if T <= 16 else MID_SPLITS if T < LARGE_STEP else LARGE_SPLITS
@@ -145,15 +171,16 @@ def hc_pre(
     splits = triton.cdiv(K, per_split)
     ws = torch.empty(splits, T, MIX_ROWS, dtype=torch.float32, device=h.device)
     _mix_partials_kernel[(triton.cdiv(T, block_t), splits)](
-        h, hc.fn, ws, T, K, per_split, (2 + n) * n, h.stride(0),
+        h, hc.fn, ws, T, K, per_split, hc.fn.shape[0], h.stride(0),
         BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, num_warps=warps,
     )  # fmt: skip
     _hc_pre_epilogue_kernel[(T,)](
-        h, ws, hc.base, hc.scale, norm_weight, x, post, comb, T, D, K, splits, h.stride(0), h.stride(1),
-        p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n, BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS,
-        BLOCK_D=pow2(D), num_warps=8,  # the collapse over hidden dominates: one warp was 3x slower
+        h, ws, hc.base, hc.scale, norm_weight, x, x if post is None else post, x if comb is None else comb,
+        T, D, K, splits, h.stride(0), h.stride(1), p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n,
+        BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS, BLOCK_D=pow2(D), HEAD=head,
+        num_warps=8,  # the collapse over hidden dominates: one warp was 3x slower
     )  # fmt: skip
-    return x, post, comb
+    return x
 
 
 @triton.jit

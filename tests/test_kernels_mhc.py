@@ -70,3 +70,26 @@ def test_hc_post_matches_reference(dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     else:  # the same rounding steps, but the two rounded terms may differ by one ulp (up to 1/16 here)
         torch.testing.assert_close(got.float(), want.float(), atol=0.07, rtol=0.02)
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 21])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_head_matches_reference(tokens: int, dtype: torch.dtype) -> None:
+    """The head's collapse + last norm: hc_pre's kernels with the pre weights only (n rows of fn, one
+    scale), against `mhc.hc_head_norm`."""
+    gen = torch.Generator().manual_seed(tokens + 100)
+    n, dim = PARAMS.mult, 96
+    h = on_device((torch.randn(tokens, n, dim, generator=gen) * 2).to(dtype))
+    head = mhc.HyperConnection(
+        fn=on_device(torch.randn(n, n * dim, generator=gen) * 0.1),
+        base=on_device(torch.randn(n, generator=gen)),
+        scale=on_device(torch.rand(1, generator=gen) + 0.5),
+    )
+    norm = on_device(torch.randn(dim, generator=gen).to(dtype))
+    want = mhc.hc_head_norm(h, head, norm, PARAMS)
+    got = kt.hc_head(h, head, norm, PARAMS)
+    assert got.shape == want.shape == (tokens, dim) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    else:  # one bf16 rounding of the collapse apart at most
+        assert float((got.float() - want.float()).abs().max()) < 0.05

@@ -99,6 +99,8 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
     h = torch.randn(T, n, hidden).to(tdt)
     xn, post, comb = ops.hc_pre(h, hc, torch.ones(hidden, dtype=tdt), mhc.HcParams(n, 20, 1e-6, 1e-6))
     ops.hc_post(xn, h, post, comb)
+    head = mhc.HyperConnection(torch.randn(n, n * hidden), torch.randn(n), torch.rand(1))
+    ops.hc_head(h, head, torch.ones(hidden, dtype=tdt), mhc.HcParams(n, 20, 1e-6, 1e-6))
     for n_out, k_in in (
         (cfg.q_lora_rank, hidden),
         (H * D // cfg.o_groups, cfg.o_lora_rank),

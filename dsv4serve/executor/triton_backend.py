@@ -27,6 +27,7 @@ def triton_backend() -> Backend:
         sparse_attention=sparse_triton.sparse_attention,
         hc_pre=mhc_triton.hc_pre,
         hc_post=mhc_triton.hc_post,
+        hc_head=mhc_triton.hc_head,
         gating_top_k=routing_triton.gating_top_k,
         routed_experts=experts_triton.routed_experts,
         qkv_split_norm=mla_triton.qkv_split_norm,  # MLA's attention and store: reference

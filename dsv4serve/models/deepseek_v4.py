@@ -18,7 +18,7 @@ from dsv4serve.attention.rope import RopeTables
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.config import ModelConfig
 from dsv4serve.memory.pools import flat
-from dsv4serve.mhc import HcParams, HyperConnection, hc_head
+from dsv4serve.mhc import HcParams, HyperConnection
 from dsv4serve.moe.routing import SCORINGS
 from dsv4serve.quant import Weight, Weights, plain
 
@@ -137,8 +137,7 @@ class DeepseekV4:
             h = self._layer(h, layer, batch, meta, _layer_cache(pools, i, layer.ratio))
         if not all_logits:
             h = h[batch.sample_index]
-        x = self.ops.rms_norm(hc_head(h, self.hc_head, self.hc), self.norm, self.cfg.rms_norm_eps)
-        return self.ops.linear(x, self.head)
+        return self.ops.linear(self.ops.hc_head(h, self.hc_head, self.norm, self.hc), self.head)
 
     def _layer(
         self, h: torch.Tensor, w: LayerWeights, batch: ForwardBatch, meta: StepMeta, cache: AttentionCache
