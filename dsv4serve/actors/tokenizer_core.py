@@ -204,6 +204,11 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tok = tok
         self._skip = skip_special_tokens
+        # transformers' decode is the backend's plus Python overhead (~28 vs ~13 us for 40 ids) and an
+        # optional clean-up: without the clean-up, the backend's own decode gives the same text
+        backend = getattr(tok, "backend_tokenizer", None)
+        plain = backend is not None and getattr(tok, "clean_up_tokenization_spaces", True) is False
+        self._backend_decode = backend.decode if plain else None  # type: ignore[union-attr]
         context = list(prompt_ids)[-_NUM_CONTEXT_TOKENS:]
         text = self._decode(context)
         if text.endswith(_REPLACEMENT):  # the prompt ends inside a character: start clean
@@ -235,6 +240,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self._skip)
         text = self._tok.decode(ids, skip_special_tokens=self._skip)
         assert isinstance(text, str), "decode of one id list returns one string"
         return text
