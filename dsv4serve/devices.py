@@ -23,11 +23,16 @@ RING_BYTES = 64 << 10  # a graph bucket of 256 requests uploads ~20 KB
 
 
 def pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A pinned host tensor that is never an inference tensor: a buffer first made inside a step's
-    `inference_mode` is written again outside it (the slot tables' copies), which torch refuses for
-    inference tensors."""
-    with torch.inference_mode(False):
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def copy_into(host: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """host.copy_(src) inside inference mode: a reused buffer may have been made inside a step's
+    inference mode (an inference tensor, which torch lets only inference mode update in place; on the
+    H200's torch 2.11 even one made under `inference_mode(False)` was) and be written outside it (the
+    slot tables' copies), or the other way round."""
+    with torch.inference_mode():
+        host.copy_(src, non_blocking=non_blocking)
 
 
 class _PinnedRing:
@@ -47,16 +52,16 @@ class _PinnedRing:
         nbytes = src.numel() * src.element_size()
         if nbytes > RING_BYTES:
             host = pinned(tuple(src.shape), src.dtype)
-            host.copy_(src)
+            copy_into(host, src)
             return _queue(host, dst, self.device)
         with self.lock:
             i, self.next = self.next, (self.next + 1) % RING_SLOTS
             if self.used[i] and not self.events[i].query():  # its copy, RING_SLOTS copies ago, still queued:
                 host = pinned(tuple(src.shape), src.dtype)  # never wait for the device
-                host.copy_(src)
+                copy_into(host, src)
                 return _queue(host, dst, self.device)
             host = self.slots[i][:nbytes].view(src.dtype).view(src.shape)
-            host.copy_(src)
+            copy_into(host, src)
             out = _queue(host, dst, self.device)
             self.events[i].record(torch.cuda.current_stream(self.device))  # the stream the copy went to
             self.used[i] = True

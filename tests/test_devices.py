@@ -55,16 +55,22 @@ def test_pending_step_waits_once_and_returns_its_result_again() -> None:
 
 
 def test_buffers_made_inside_inference_mode_serve_copies_outside_it() -> None:
-    """A step (inference mode) may make the first pinned buffer that the slot tables' copies (outside
-    it) reuse later: torch refuses in-place updates of inference tensors outside inference mode."""
-    pool = devices.HostBuffers()
+    """A step (inference mode) may make the first pinned buffers that copies outside it reuse later
+    (the slot tables' staging, a result read outside a step): torch refuses in-place updates of
+    inference tensors outside inference mode, so every copy into a reused buffer runs inside it."""
+    from dsv4serve.executor.runner import PendingStep
+
+    pool = devices.HOST_BUFFERS
     with torch.inference_mode():
-        host = pool.take((4,), torch.float32)
+        made_inside = pool.take((2, 1), torch.float64)
         ring = devices._PinnedRing(torch.device("cuda", torch.cuda.current_device()))
-    host.copy_(torch.ones(4))
+    pool.give(made_inside)
+    out = torch.tensor([[5.0], [-0.25]], dtype=torch.float64, device="cuda")
+    pending = PendingStep.of((), out, None)  # outside inference mode, into the buffer made inside it
+    assert pending.host is made_inside
     dst = torch.zeros(4, dtype=torch.int64, device="cuda")
     ring.send(torch.arange(4), dst)
     with torch.inference_mode():
         ring.send(torch.arange(4) * 2, dst)
     torch.cuda.synchronize()
-    assert torch.equal(dst.cpu(), torch.arange(4) * 2) and torch.equal(host, torch.ones(4))
+    assert torch.equal(dst.cpu(), torch.arange(4) * 2) and torch.equal(pending.host, out.cpu())

@@ -16,7 +16,7 @@ import torch
 from dsv4serve.attention.metadata import BatchItem, ForwardBatch, build_forward_batch
 from dsv4serve.backend import Backend
 from dsv4serve.config import EngineConfig
-from dsv4serve.devices import HOST_BUFFERS, check_device
+from dsv4serve.devices import HOST_BUFFERS, check_device, copy_into
 from dsv4serve.executor.backends import select_backend
 from dsv4serve.executor.graphs import DecodeGraphs
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
@@ -52,7 +52,7 @@ class PendingStep:
         if out.device.type != "cuda":
             return cls(tuple(sampled), out.cpu(), None, logits)
         host = HOST_BUFFERS.take(tuple(out.shape), out.dtype)
-        host.copy_(out, non_blocking=True)
+        copy_into(host, out, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(out.device))
         return cls(tuple(sampled), host, done, logits)
