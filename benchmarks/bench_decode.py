@@ -460,7 +460,6 @@ def main() -> None:
             experts = distinct_experts(runner, core, rids)
             times = core.decode(rids, args.steps)
             launches = core.launch_times[-len(times) :]
-            overlapped = core.decode_overlapped(rids, args.steps)  # as the engine's executor runs steps
             lengths = [core.lengths[r] for r in rids]
             nbytes = {
                 "weights": nonexpert + (batch - 1) * cfg.hidden_size * 2,
@@ -476,10 +475,11 @@ def main() -> None:
                 "distinct_experts": experts,
             }
             entry["core_over_roofline"] = round(entry["core_ms"] / roofline, 2)
+            if device == "cuda":
+                entry["replay_ms"] = round(replay_ms(runner) or 0.0, 3)  # the graph of the steps above
+            overlapped = core.decode_overlapped(rids, args.steps)  # as the engine's executor runs steps
             entry["core_overlapped_ms"] = round(overlapped * 1e3, 3)
             entry["core_overlapped_over_roofline"] = round(overlapped * 1e3 / roofline, 2)
-            if device == "cuda":
-                entry["replay_ms"] = round(replay_ms(runner) or 0.0, 3)
             if batch in args.profile and context == min(args.contexts) and device == "cuda":
                 entry["profile_eager"] = profile_step(core, lambda rids=rids: core.decode(rids, 1))
             if batch == 1 and context == min(args.contexts) and device == "cuda":

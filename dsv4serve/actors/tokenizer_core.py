@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from dsv4serve.protocol import check_text
 
@@ -187,6 +188,16 @@ def _merge_user_turns(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------- incremental detokenization
 
 
+def _plain_backend(tok: object) -> TypeGuard[TokenizersBackend]:
+    """A transformers tokenizer whose decode is exactly its tokenizers backend's decode."""
+    return (
+        isinstance(tok, TokenizersBackend)
+        and type(tok).decode is TokenizersBackend.decode
+        and type(tok)._decode is TokenizersBackend._decode
+        and tok.clean_up_tokenization_spaces is False
+    )
+
+
 class IncrementalDetokenizer:
     """Turns streamed output ids into text deltas that never end inside a UTF-8 character.
 
@@ -205,10 +216,9 @@ class IncrementalDetokenizer:
         self._tok = tok
         self._skip = skip_special_tokens
         # transformers' decode is the backend's plus Python overhead (~28 vs ~13 us for 40 ids) and an
-        # optional clean-up: without the clean-up, the backend's own decode gives the same text
-        backend = getattr(tok, "backend_tokenizer", None)
-        plain = backend is not None and getattr(tok, "clean_up_tokenization_spaces", True) is False
-        self._backend_decode = backend.decode if plain else None  # type: ignore[union-attr]
+        # optional clean-up: without the clean-up, and where no subclass overrides decode (codegen,
+        # whisper, ... do), the backend's own decode gives the same text
+        self._backend_decode = tok.backend_tokenizer.decode if _plain_backend(tok) else None
         context = list(prompt_ids)[-_NUM_CONTEXT_TOKENS:]
         text = self._decode(context)
         if text.endswith(_REPLACEMENT):  # the prompt ends inside a character: start clean

@@ -129,11 +129,12 @@ class _Graph:
 
     def capture(self, step: StepFn, pad_row: int, pool: object) -> None:
         self.upload((), (), pad_row)  # a batch of padding only: every write lands on a sentinel
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        device = self.inputs.device  # the runner's, not necessarily the current device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up: compiles the kernels of these shapes
             step(self.forward_batch, self.params)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the trio thread's slot-table copies (pinned staging, event waits) run while a
         # worker thread captures; under the default global mode they invalidated the capture
