@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -76,16 +77,14 @@ class CoreDriver:
         the first step's result and the last one's."""
         assert steps >= 2
         sync(self.runner.device)
-        pending = self.runner.launch(self._plan({rid: (self.last[rid],) for rid in rids}))
+        in_flight = deque([self.runner.launch(self._plan({rid: (self.last[rid],) for rid in rids}))])
         done = []
         for n in range(steps):
-            following = None
             if n + 1 < steps:
-                following = self.runner.launch(self._plan({rid: (LOOKAHEAD,) for rid in rids}))
-            result = pending.wait()
+                in_flight.append(self.runner.launch(self._plan({rid: (LOOKAHEAD,) for rid in rids})))
+            result = in_flight.popleft().wait()
             done.append(time.perf_counter())
             self.last.update({o.rid: o.token_id for o in result.outputs})
-            pending = following  # type: ignore[assignment]
         sync(self.runner.device)
         return (done[-1] - done[0]) / (steps - 1)
 

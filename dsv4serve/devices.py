@@ -50,21 +50,18 @@ class _PinnedRing:
     def send(self, src: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
         """src (host) copied into dst, or into a new device tensor, queued on the current stream."""
         nbytes = src.numel() * src.element_size()
-        if nbytes > RING_BYTES:
-            host = pinned(tuple(src.shape), src.dtype)
-            copy_into(host, src)
-            return _queue(host, dst, self.device)
         with self.lock:
             i, self.next = self.next, (self.next + 1) % RING_SLOTS
-            if self.used[i] and not self.events[i].query():  # its copy, RING_SLOTS copies ago, still queued:
-                host = pinned(tuple(src.shape), src.dtype)  # never wait for the device
-                copy_into(host, src)
-                return _queue(host, dst, self.device)
-            host = self.slots[i][:nbytes].view(src.dtype).view(src.shape)
+            # a larger copy, or a buffer whose copy (RING_SLOTS copies ago) is still queued, takes a
+            # fresh pinned buffer: the caller never waits for the device
+            fresh = nbytes > RING_BYTES or (self.used[i] and not self.events[i].query())
+            host = pinned(tuple(src.shape), src.dtype) if fresh else self.slots[i][:nbytes].view(src.dtype)
+            host = host.view(src.shape)
             copy_into(host, src)
             out = _queue(host, dst, self.device)
-            self.events[i].record(torch.cuda.current_stream(self.device))  # the stream the copy went to
-            self.used[i] = True
+            if not fresh:
+                self.events[i].record(torch.cuda.current_stream(self.device))  # the stream the copy went to
+                self.used[i] = True
         return out
 
 
@@ -105,25 +102,26 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class HostBuffers:
-    """Pinned host buffers for device -> host results, reused: `take` one, copy into it, `give` it
-    back once read. A buffer never given back (an abandoned step) is simply collected."""
+    """Pinned host buffers for device -> host results, each with the event its copy records, reused:
+    `take` a pair, copy into the buffer and record the event, `give` both back once read (a decode
+    step allocates neither). A pair never given back (an abandoned step) is simply collected."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self.free: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event]:
         with self.lock:
             free = self.free.get((shape, dtype))
             if free:
                 return free.pop()
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return pinned(shape, dtype), torch.cuda.Event()
 
-    def give(self, t: torch.Tensor) -> None:
+    def give(self, host: torch.Tensor, done: torch.cuda.Event) -> None:
         with self.lock:
-            free = self.free.setdefault((tuple(t.shape), t.dtype), [])
-            if all(b is not t for b in free) and len(free) < RING_SLOTS:
-                free.append(t)
+            free = self.free.setdefault((tuple(host.shape), host.dtype), [])
+            if all(b is not host for b, _ in free) and len(free) < RING_SLOTS:
+                free.append((host, done))
 
 
 HOST_BUFFERS = HostBuffers()

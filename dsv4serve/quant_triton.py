@@ -152,8 +152,9 @@ def _plan(M: int, N: int, K: int, int8: bool, fp32: bool) -> tuple[int, int, int
         # bf16 (H200 sweep, run 25, each call after an L2 flush): 32 x 128 tiles beat 16/32 x 256 on
         # every projection of a decode step (101 vs 107 us for one of each at one row) but the head's
         # 1 GB weight, which streams at ~4.3 TB/s in 32 x 256 tiles
-        block_n = 32 if N >= 4096 or not (fp32 or int8) else 16
-        block_k = 64 if fp32 else 128 if not int8 and N * K < (1 << 28) else 256
+        bf16 = not (fp32 or int8)
+        block_n = 32 if bf16 or N >= 4096 else 16
+        block_k = 64 if fp32 else 128 if bf16 and N * K < (1 << 28) else 256
         n_blocks = triton.cdiv(N, block_n)
         splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, n_blocks), K // (4 * block_k)))
         return 16, block_n, block_k, splits, 4, 2 if fp32 else 4

@@ -38,12 +38,13 @@ def test_large_copies_and_empty_tensors() -> None:
 
 def test_host_buffers_are_reused_once_given_back() -> None:
     pool = devices.HostBuffers()
-    a = pool.take((2, 3), torch.float64)
+    a, event = pool.take((2, 3), torch.float64)
     assert a.is_pinned()
-    pool.give(a)
-    pool.give(a)  # giving twice must not hand the same buffer to two steps
-    assert pool.take((2, 3), torch.float64) is a
-    assert pool.take((2, 3), torch.float64) is not a
+    pool.give(a, event)
+    pool.give(a, event)  # giving twice must not hand the same buffer to two steps
+    again, again_event = pool.take((2, 3), torch.float64)
+    assert again is a and again_event is event
+    assert pool.take((2, 3), torch.float64)[0] is not a
 
 
 def test_pending_step_waits_once_and_returns_its_result_again() -> None:
@@ -62,9 +63,9 @@ def test_buffers_made_inside_inference_mode_serve_copies_outside_it() -> None:
 
     pool = devices.HOST_BUFFERS
     with torch.inference_mode():
-        made_inside = pool.take((2, 1), torch.float64)
+        made_inside, event = pool.take((2, 1), torch.float64)
         ring = devices._PinnedRing(torch.device("cuda", torch.cuda.current_device()))
-    pool.give(made_inside)
+    pool.give(made_inside, event)
     out = torch.tensor([[5.0], [-0.25]], dtype=torch.float64, device="cuda")
     pending = PendingStep.of((), out, None)  # outside inference mode, into the buffer made inside it
     assert pending.host is made_inside

@@ -18,7 +18,7 @@ from dsv4serve.backend import Backend
 from dsv4serve.config import EngineConfig
 from dsv4serve.devices import HOST_BUFFERS, check_device, copy_into
 from dsv4serve.executor.backends import select_backend
-from dsv4serve.executor.graphs import DecodeGraphs
+from dsv4serve.executor.graphs import DecodeGraphs, GraphKey
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
 from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory.paged import PoolSizes
@@ -39,7 +39,7 @@ class StepResult:
 class PendingStep:
     """A step queued on the device. `wait()` blocks until its ids are on the host (the GIL is
     released meanwhile) and returns the step's result (later calls return the same result: the pinned
-    buffer went back to `HOST_BUFFERS` for a later step after the first)."""
+    buffer and its event went back to `HOST_BUFFERS` for a later step after the first)."""
 
     sampled: tuple[StepItem, ...]
     host: torch.Tensor  # (2 + 2k, S) float64 ids, logprobs, k top ids, k top logprobs (async copy)
@@ -51,9 +51,8 @@ class PendingStep:
     def of(cls, sampled: Sequence[StepItem], out: torch.Tensor, logits: torch.Tensor | None) -> PendingStep:
         if out.device.type != "cuda":
             return cls(tuple(sampled), out.cpu(), None, logits)
-        host = HOST_BUFFERS.take(tuple(out.shape), out.dtype)
+        host, done = HOST_BUFFERS.take(tuple(out.shape), out.dtype)
         copy_into(host, out, non_blocking=True)
-        done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(out.device))
         return cls(tuple(sampled), host, done, logits)
 
@@ -69,7 +68,7 @@ class PendingStep:
         k = (self.host.shape[0] - 2) // 2
         columns = self.host.T.tolist()  # (S, 2 + 2k): one sampled request's outputs per row
         if self.done is not None:
-            HOST_BUFFERS.give(self.host)
+            HOST_BUFFERS.give(self.host, self.done)
         outputs = tuple(_sampled(i, c, k) for i, c in zip(self.sampled, columns, strict=True))
         self.result.append(StepResult(outputs, self.logits))
         return self.result[0]
@@ -145,6 +144,7 @@ class ModelRunner:
         self.tables.point_pad_row_at(self.pools.state_sentinel)
         self.last_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphs | None = None
+        self._last_key: tuple[StepPlan | None, GraphKey | None] = (None, None)
         if engine.graphs and self.device.type == "cuda" and spec.cuda_graphs:
             max_len = engine.resolved_max_model_len(cfg)
             self.graphs = DecodeGraphs(
@@ -187,8 +187,18 @@ class ModelRunner:
     def replays(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` replays a graph already captured: an upload and a graph launch, a
         short host call (no forward in Python, no capture)."""
-        key = self.graphs.key(plan.items) if self.graphs is not None else None
+        key = self._graph_key(plan)
         return key is not None and self.graphs is not None and key in self.graphs.graphs
+
+    def _graph_key(self, plan: StepPlan) -> GraphKey | None:
+        """The graph `plan` replays (None: eager), computed once for `replays` and `launch` of a plan
+        (the last plan's key is kept, one atomic tuple: `replays` runs on the trio thread)."""
+        last_plan, last_key = self._last_key
+        if last_plan is plan:
+            return last_key
+        key = self.graphs.key(plan.items) if self.graphs is not None else None
+        self._last_key = (plan, key)
+        return key
 
     def execute(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> StepResult:
         return self.launch(plan, all_logits, keep_logits).wait()
@@ -202,7 +212,7 @@ class ModelRunner:
         before the one it follows has finished.
         """
         assert all(i.row >= 0 for i in plan.items), "every item needs its table row"
-        key = self.graphs.key(plan.items) if self.graphs is not None else None
+        key = self._graph_key(plan)
         if key is not None and self.graphs is not None:  # a decode step: every token samples
             seeds = [request_seed(i.rid, i.sampling.seed, self.engine.seed) for i in plan.items]
             out, logits = self.graphs.launch(key, plan.items, seeds)
