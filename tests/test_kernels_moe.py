@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.moe.experts import routed_experts_reference
+from dsv4serve.moe.experts import routed_experts_reference, swiglu
 from dsv4serve.moe.experts_triton import align, align_torch, grouped_mm_experts, routed_experts
 from dsv4serve.moe.routing import gating_top_k
 from dsv4serve.quant import quantize_int8
@@ -126,12 +126,19 @@ def test_bf16_prefill_sized_experts_close_to_reference() -> None:
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
-def test_grouped_mm_experts_equal_the_torch_formulation() -> None:
-    """The prefill path's fused SwiGLU and weighted un-permute against the same math as separate torch
-    ops over the same grouped GEMMs (bf16), and close to the fp32 reference."""
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_grouped_mm_experts_equal_the_torch_formulation(with_shared: bool) -> None:
+    """The prefill path's fused SwiGLU and weighted un-permute (and the shared expert's output added in
+    the same kernel) against the same math as separate torch ops over the same GEMMs (bf16), and close
+    to the fp32 reference."""
     x, weights, ids, w1, w2, w3 = _inputs(300, 8, 3, 21)
+    gen = torch.Generator().manual_seed(22)
+    shared = tuple(
+        on_device(torch.randn(w.shape[1:], generator=gen) / w.shape[-1] ** 0.5) for w in (w1, w2, w3)
+    )
     b = [t.bfloat16() for t in (x, w1, w2, w3)]
-    got = grouped_mm_experts(b[0], weights, ids, b[1], b[2], b[3], 0.8)
+    bs = tuple(t.bfloat16() for t in shared) if with_shared else None
+    got = grouped_mm_experts(b[0], weights, ids, b[1], b[2], b[3], 0.8, bs)
     order = torch.sort(ids.reshape(-1), stable=True).indices
     offs = torch.cumsum(torch.bincount(ids.reshape(-1), minlength=8), 0).to(torch.int32)
     rows = b[0][order // 3]
@@ -142,7 +149,9 @@ def test_grouped_mm_experts_equal_the_torch_formulation() -> None:
     by_pair = torch.empty_like(y)
     by_pair[order] = y
     want = by_pair.view(300, 3, -1).float().sum(1).bfloat16()
+    if bs is not None:
+        want = want + swiglu(b[0], *bs, limit=0.8)
     torch.testing.assert_close(got, want, atol=5e-2, rtol=3.2e-2)  # an ulp of h (exp) may move a value
     assert float((got != want).float().mean()) < 0.01  # the same rounding: nearly every value bitwise
-    ref = routed_experts_reference(x, weights, ids, w1, w2, w3, 0.8)
+    ref = routed_experts_reference(x, weights, ids, w1, w2, w3, 0.8, shared if with_shared else None)
     assert float((got.float() - ref).norm() / ref.norm()) < 2e-2

@@ -308,11 +308,14 @@ def grouped_mm_experts(
     w2: torch.Tensor,
     w3: torch.Tensor,
     limit: float,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The routed experts through torch's grouped GEMM (bf16, CUDA sm90): the pairs sorted by expert
     (stable), three grouped GEMMs over the chosen experts only, the clamped SwiGLU between them (one
     kernel, the reference's rounding), then each token's k rows weighted and summed in slot order,
-    read back through the inverse permutation (no scatter). No host sync."""
+    read back through the inverse permutation (no scatter). No host sync. The shared expert (dense
+    GEMMs, the same SwiGLU kernel) is added to each token's sum in the same kernel, rounded as the
+    reference's `routed + shared`."""
     T, k = ids.shape
     flat = ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices  # (P,) pairs by expert, token order within one
@@ -323,20 +326,31 @@ def grouped_mm_experts(
     rows = x.index_select(0, order // k)  # (P, hidden)
     gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs)  # (P, I)
     up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(_swiglu(gate, up, limit), w2.transpose(1, 2), offs=offs)  # (P, hidden), by expert
+    extra = None
+    if shared is not None:
+        s1, s2, s3 = shared
+        extra = linear(_swiglu(linear(x, s1), linear(x, s3), limit), s2)  # (T, hidden)
+    where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    out = torch.empty_like(x)
+    block = min(pow2(x.shape[1]), 1024)
+    _sum_pairs_kernel[(T, triton.cdiv(x.shape[1], block))](
+        y, where, weights.contiguous(), out, out if extra is None else extra, x.shape[1], TOPK=k,
+        HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The clamped SwiGLU of (rows, I) gate and up projections, in one kernel."""
+    assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
     h = torch.empty_like(gate)
     inter = gate.shape[1]
     block = min(pow2(inter), 1024)
     _swiglu_kernel[(gate.shape[0], triton.cdiv(inter, block))](
         gate, up, h, inter, limit, BLOCK=block, num_warps=4
     )
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # (P, hidden), rows in expert order
-    where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    out = torch.empty_like(x)
-    block = min(pow2(x.shape[1]), 1024)
-    _sum_pairs_kernel[(T, triton.cdiv(x.shape[1], block))](
-        y, where, weights.contiguous(), out, x.shape[1], TOPK=k, BLOCK=block, num_warps=4
-    )
-    return out
+    return h
 
 
 @triton.jit
@@ -356,8 +370,12 @@ def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, INTER, limit, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sum_pairs_kernel(y_ptr, where_ptr, w_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum over slots j, in order, of y[where[t, j]] * w[t, j] (each product rounded)."""
+def _sum_pairs_kernel(
+    y_ptr, where_ptr, w_ptr, out_ptr, extra_ptr, HIDDEN, TOPK: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[t] = sum over slots j, in order, of y[where[t, j]] * w[t, j] (each product rounded), then
+    (rounded) + extra[t] if HAS_EXTRA (the shared expert's output)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < HIDDEN
@@ -368,6 +386,9 @@ def _sum_pairs_kernel(y_ptr, where_ptr, w_ptr, out_ptr, HIDDEN, TOPK: tl.constex
         w = tl.load(w_ptr + t * TOPK + j).to(dtype).to(tl.float32)
         y = tl.load(y_ptr + row * HIDDEN + c, mask=mask, other=0.0).to(tl.float32)
         acc += (y * w).to(dtype).to(tl.float32)
+    if HAS_EXTRA:
+        extra = tl.load(extra_ptr + t * HIDDEN + c, mask=mask, other=0.0).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) + extra
     tl.store(out_ptr + t * HIDDEN + c, acc.to(dtype), mask=mask)
 
 
@@ -404,13 +425,14 @@ def routed_experts(
     fp32 = x.dtype == torch.float32
     prefill_mm = GROUPED_MM_PREFILL and T * ids.shape[1] > 2048 and x.dtype == torch.bfloat16 and x.is_cuda
     prefill_mm = prefill_mm and not int8
+    plain_shared = shared is None or all(isinstance(s, torch.Tensor) for s in shared)
+    if prefill_mm and plain_shared:
+        assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
+        return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit, shared)  # type: ignore[arg-type]
     if shared is not None and (not fused or prefill_mm):  # computed on its own, then added
         return routed_experts(x, weights, ids, w1, w2, w3, limit) + swiglu(
             x, *shared, limit=limit, matmul=linear
         )
-    if prefill_mm:
-        assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
-        return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit)
     # the shared expert: expert E, every token's pair k + 1 with weight 1 (the kernels add it)
     routed = ids.shape[1]
     top_k = routed + (shared is not None)
