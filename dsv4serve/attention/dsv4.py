@@ -103,8 +103,9 @@ def _indexer(
 
 
 def _grouped_output(out: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, ops: Backend) -> torch.Tensor:
-    T, G = out.shape[0], cfg.o_groups
-    grouped = out.reshape(T, G, -1)  # (T, G, H*D/G)
-    wo_a = w.wo_a.view(G, cfg.o_lora_rank, -1)  # (G, o_lora, H*D/G)
-    mixed = torch.einsum("tgi,goi->tgo", grouped, wo_a).reshape(T, G * cfg.o_lora_rank)
+    T, G, R = out.shape[0], cfg.o_groups, cfg.o_lora_rank
+    grouped = out.reshape(T, G, -1).transpose(0, 1)  # (G, T, H*D/G), a view
+    wo_a = w.wo_a.view(G, R, -1).transpose(1, 2)  # (G, H*D/G, o_lora)
+    mixed = torch.empty(T, G * R, dtype=out.dtype, device=out.device)
+    torch.bmm(grouped, wo_a, out=mixed.view(T, G, R).transpose(0, 1))  # written in (T, G, o_lora) order
     return ops.linear(mixed, w.wo_b)

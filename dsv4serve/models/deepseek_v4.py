@@ -131,8 +131,9 @@ class DeepseekV4:
         state_pool = {4: "c4_state", self.cfg.hca_ratio: "c128_state"}
         ratios = {r: pools.state_sentinel[state_pool[r]] for r in self.cfg.compress_ratio_set}
         meta = self.ops.prepare(batch, tables, self.rope, self.cfg.sliding_window, ratios)  # all layers
-        x = self.embed[batch.input_ids]  # (T, hidden)
-        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, hc, hidden)
+        T, hc = batch.input_ids.shape[0], self.cfg.hc_mult
+        ids = batch.input_ids.unsqueeze(1).expand(T, hc).reshape(T * hc)  # each token's id hc times
+        h = self.embed.index_select(0, ids).view(T, hc, -1)  # (T, hc, hidden): the streams in one gather
         for i, layer in enumerate(self.layers):
             h = self._layer(h, layer, batch, meta, _layer_cache(pools, i, layer.ratio))
         if not all_logits:
