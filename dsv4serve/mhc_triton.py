@@ -26,7 +26,7 @@ MIX_ROWS = 32  # (2 + hc) * hc = 24 mixes, padded; the last column carries the s
 MID_SPLITS = 32  # steps of 17 .. LARGE_STEP - 1 tokens
 LARGE_STEP = 2048
 LARGE_SPLITS = 8  # at 8 x 1024 tokens: 64 token tiles x 8 slices (the H200 sweep, run 13)
-PREFILL_TILES = (128, 32, 8)  # steps of more than 16 tokens: BLOCK_T, BLOCK_K, warps (H200 sweep, run 12)
+PREFILL_TILES = (128, 64, 8)  # steps of more than 16 tokens: BLOCK_T, BLOCK_K, warps (H200 sweep, run 30)
 
 
 @triton.jit
@@ -42,8 +42,13 @@ def _mix_partials_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MIX_ROWS: tl.constexpr,
+    BF16: tl.constexpr,  # h in bf16: three bf16 products with fn cut in three bf16 pieces
 ):
-    """ws[s, t, :NUM_MIX] = h[t, k-slice s] @ fn[:, k-slice s]^T; ws[s, t, MIX_ROWS - 1] = sum h^2."""
+    """ws[s, t, :NUM_MIX] = h[t, k-slice s] @ fn[:, k-slice s]^T; ws[s, t, MIX_ROWS - 1] = sum h^2.
+
+    fp32-accurate on the tensor cores: a bf16 h is exact in bf16, so fn = hi + mid + lo (each bf16, 24
+    bits of fn in all) gives three exact bf16 products summed in fp32, at half the cost of tf32x3's
+    three tf32 ones (which float h needs)."""
     tb = tl.program_id(0)
     s = tl.program_id(1)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -56,12 +61,21 @@ def _mix_partials_kernel(
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
-        h = tl.load(
-            h_ptr + t.to(tl.int64)[:, None] * stride_ht + k[None, :], mask=tmask[:, None] & kmask[None, :]
-        )
-        h = h.to(tl.float32)
+        hmask = tmask[:, None] & kmask[None, :]
+        h = tl.load(h_ptr + t.to(tl.int64)[:, None] * stride_ht + k[None, :], mask=hmask, other=0.0)
         fn = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.dot(h, tl.trans(fn), input_precision="tf32x3")  # fp32-accurate, on the tensor cores
+        if BF16:
+            hi = fn.to(tl.bfloat16)
+            rest = fn - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(h, tl.trans(hi), acc)
+            acc = tl.dot(h, tl.trans(mid), acc)
+            acc = tl.dot(h, tl.trans(lo), acc)
+            h = h.to(tl.float32)
+        else:
+            h = h.to(tl.float32)
+            acc += tl.dot(h, tl.trans(fn), input_precision="tf32x3")
         sumsq += tl.sum(h * h, axis=1)
     acc = tl.where(r[None, :] == MIX_ROWS - 1, sumsq[:, None], acc)
     dst = ws_ptr + (s * T + t.to(tl.int64))[:, None] * MIX_ROWS + r[None, :]
@@ -172,7 +186,7 @@ def _collapse(
     ws = torch.empty(splits, T, MIX_ROWS, dtype=torch.float32, device=h.device)
     _mix_partials_kernel[(triton.cdiv(T, block_t), splits)](
         h, hc.fn, ws, T, K, per_split, hc.fn.shape[0], h.stride(0),
-        BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, num_warps=warps,
+        BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, BF16=h.dtype == torch.bfloat16, num_warps=warps,
     )  # fmt: skip
     _hc_pre_epilogue_kernel[(T,)](
         h, ws, hc.base, hc.scale, norm_weight, x, x if post is None else post, x if comb is None else comb,

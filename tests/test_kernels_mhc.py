@@ -46,14 +46,17 @@ def test_hc_pre_prefill_sized_step_uses_few_long_slices(monkeypatch: pytest.Monk
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
 
 
-def test_hc_pre_bf16_close() -> None:
-    gen = torch.Generator().manual_seed(3)
-    h = on_device((torch.randn(7, 4, 64, generator=gen) * 2).bfloat16())
+@pytest.mark.parametrize("tokens", [7, 40])
+def test_hc_pre_bf16_close(tokens: int) -> None:
+    """bf16 streams: the mixes as three exact bf16 products (fn cut in three bf16 pieces) are
+    fp32-accurate, so post and comb match the fp32 reference closely."""
+    gen = torch.Generator().manual_seed(3 + tokens)
+    h = on_device((torch.randn(tokens, 4, 64, generator=gen) * 2).bfloat16())
     hc, norm = _hc(64, gen), on_device(torch.randn(64, generator=gen).bfloat16())
     want = mhc.hc_pre(h, hc, norm, PARAMS)
     got = kt.hc_pre(h, hc, norm, PARAMS)
-    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[2], want[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want[1], atol=4e-6, rtol=4e-6)
+    torch.testing.assert_close(got[2], want[2], atol=4e-6, rtol=4e-6)
     assert float((got[0].float() - want[0].float()).abs().max()) < 0.05
 
 
@@ -93,3 +96,23 @@ def test_hc_head_matches_reference(tokens: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     else:  # one bf16 rounding of the collapse apart at most
         assert float((got.float() - want.float()).abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixes_are_fp32_accurate(dtype: torch.dtype) -> None:
+    """The mixes kernel alone against float64: fp32-level error for fp32 streams (tf32x3) and bf16
+    ones (three bf16 pieces of fn; two pieces would be ~1e-5 off)."""
+    gen = torch.Generator().manual_seed(31)
+    T, K, rows = 20, 512, 24
+    h = on_device(torch.randn(T, K, generator=gen).to(dtype))
+    fn = on_device(torch.randn(rows, K, generator=gen))
+    ws = on_device(torch.empty(1, T, kt.MIX_ROWS))
+    kt._mix_partials_kernel[(2, 1)](
+        h, fn, ws, T, K, K, rows, h.stride(0), BLOCK_T=16, BLOCK_K=128, MIX_ROWS=kt.MIX_ROWS,
+        BF16=dtype == torch.bfloat16, num_warps=4,
+    )  # fmt: skip
+    want = h.double() @ fn.double().T
+    err = (ws[0, :, :rows].double() - want).abs().max() / want.abs().max()
+    assert float(err) < 2e-6, float(err)
+    sumsq = (h.double() ** 2).sum(1)
+    torch.testing.assert_close(ws[0, :, -1].double(), sumsq, rtol=1e-6, atol=0)
