@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 
+from dsv4serve.attention.metadata import BatchItem, build_forward_batch
 from dsv4serve.executor.graphs import (
     BATCH_BUCKETS,
     DecodeGraphs,
@@ -16,6 +18,7 @@ from dsv4serve.executor.graphs import (
     context_bucket,
     is_decode,
 )
+from dsv4serve.executor.sampling import top_k_of
 from dsv4serve.protocol import LOOKAHEAD, SamplingSpec, StepItem
 
 
@@ -51,7 +54,7 @@ def test_a_failed_capture_caches_nothing(monkeypatch: pytest.MonkeyPatch) -> Non
     key = GraphKey(1, 256, True, False, False, 0)
     item = StepItem(rid="a", prefix_len=5, token_ids=(7,), sample=True, sampling=SamplingSpec(), row=0)
 
-    def capture(self: _Graph, step: object, pad_row: int, pool: object) -> None:
+    def capture(self: _Graph, step: object, pool: object) -> None:
         raise RuntimeError("capture failed")
 
     monkeypatch.setattr(_Graph, "capture", capture)
@@ -59,3 +62,44 @@ def test_a_failed_capture_caches_nothing(monkeypatch: pytest.MonkeyPatch) -> Non
         with pytest.raises(RuntimeError, match="capture failed"):
             graphs.launch(key, [item], [1])
         assert graphs.graphs == {}
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8])
+def test_a_graph_upload_holds_the_eager_batch_then_padding(n: int) -> None:
+    """A decode graph's static inputs after an upload: each item's fields as the eager step's batch
+    has them (windows closing where the eager batch closes one), then padding on the pad row."""
+    ratios, B, pad_row = (4, 128), 8, 99
+    graph = _Graph(GraphKey(B, 1024, False, True, False, 0), ratios, torch.device("cpu"), pad_row)
+    rng = random.Random(n)
+    for _ in range(3):  # the same buffers refilled: nothing of a step before survives
+        prefixes = [rng.choice([rng.randrange(0, 1000), 127, 511, 1023]) for _ in range(n)]
+        items = [
+            StepItem(
+                rid=f"r{j}", prefix_len=p, token_ids=(rng.choice([LOOKAHEAD, rng.randrange(1000)]),),
+                sample=True, row=rng.randrange(50),
+                sampling=SamplingSpec(temperature=rng.random(), top_p=rng.random(), top_k=rng.choice([0, 7])),
+            )
+            for j, p in enumerate(prefixes)
+        ]  # fmt: skip
+        seeds = [rng.randrange(2**40) for _ in items]
+        graph.upload(items, seeds)
+        got, params = graph.forward_batch, graph.params
+        eager = build_forward_batch(
+            [BatchItem(i.row, i.prefix_len, i.token_ids, True) for i in items], ratios, "cpu"
+        )
+        for name in ("input_ids", "positions", "rows", "prefix_lens", "seq_lens"):
+            pad = {"rows": pad_row, "seq_lens": 1}.get(name, 0)
+            assert getattr(got, name).tolist() == getattr(eager, name).tolist() + [pad] * (B - n), name
+        assert got.token_req.tolist() == got.sample_index.tolist() == list(range(B))
+        assert got.cu_seqlens.tolist() == list(range(B + 1))
+        for r in ratios:
+            closing = dict(zip(eager.windows[r].req.tolist(), eager.windows[r].index.tolist(), strict=True))
+            assert got.windows[r].index.tolist() == [closing.get(j, -1) for j in range(B)]
+            assert got.windows[r].req.tolist() == list(range(B))
+        assert params.temperature.tolist() == pytest.approx(
+            [i.sampling.temperature for i in items] + [0.0] * (B - n)
+        )
+        assert params.top_p.tolist() == pytest.approx([i.sampling.top_p for i in items] + [1.0] * (B - n))
+        assert params.top_k.tolist() == [top_k_of(i.sampling.top_k) for i in items] + [0] * (B - n)
+        assert params.seed.tolist() == [s & 0xFFFFFFFF for s in seeds] + [0] * (B - n)
+        assert params.position.tolist() == [p + 1 for p in prefixes] + [1] * (B - n)

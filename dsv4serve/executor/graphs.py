@@ -3,22 +3,23 @@
 A decode step (every item one token that samples) is padded to the next batch bucket with items on
 the tables' pad row (every slot they touch is a sentinel, no window closes), and its `max_seq_len` is
 rounded up to a context bucket, so the per-token entry lists follow live context, not max_model_len.
-Every input lives in two static device buffers (int64 and fp32) that one host->device copy refills
-per step; the forward and the sampler then replay with no Python in between. Capture runs on a
-batch of padding only, so neither the warm-up nor the capture writes a live pool row.
+Every input lives in one static device buffer (int64 words, the fp32 ones viewed) that one
+host->device copy refills per step, from a pinned buffer filled in place (a template of padding, then
+the items' fields in one indexed assignment); the forward and the sampler then replay with no Python
+in between. Capture runs on a batch of padding only, so neither the warm-up nor the capture writes a
+live pool row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch, WindowMeta
-from dsv4serve.devices import copy_to_device
+from dsv4serve.devices import copy_into
 from dsv4serve.executor.sampling import SamplingBatch, top_k_of
 from dsv4serve.protocol import MAX_TOP_LOGPROBS, StepItem
 
@@ -26,6 +27,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 1
 MIN_CONTEXT = 256
 CONTEXT_STEP_UNTIL = 32768
 MASK32 = 0xFFFFFFFF
+STAGES = 3  # pinned upload buffers per graph (the engine runs at most a step or two ahead)
 
 StepFn = Callable[[ForwardBatch, SamplingBatch], tuple[torch.Tensor, torch.Tensor]]  # -> (2+2k, B), logits
 
@@ -66,7 +68,7 @@ def context_bucket(longest: int, max_len: int) -> int:
 class _Graph:
     """One captured step: static inputs (views of `ints` / `floats`), the graph, static outputs."""
 
-    def __init__(self, key: GraphKey, ratios: Sequence[int], device: torch.device) -> None:
+    def __init__(self, key: GraphKey, ratios: Sequence[int], device: torch.device, pad_row: int) -> None:
         B = self.batch = key.batch
         self.key, self.ratios = key, tuple(ratios)
         names = ["input_ids", "positions", "token_req", "rows", "prefix_lens", "seq_lens", "cu_seqlens"]
@@ -75,9 +77,10 @@ class _Graph:
         sizes = [B + 1 if n == "cu_seqlens" else B for n in names]
         self.offsets = dict(zip(names, (sum(sizes[:i]) for i in range(len(sizes))), strict=True))
         # one buffer, one upload per step: the ints, then 2 * B floats in B int64 words
-        self.inputs = torch.zeros(sum(sizes) + B, dtype=torch.int64, device=device)
-        self.ints = self.inputs[: sum(sizes)]
-        self.floats = self.inputs[sum(sizes) :].view(torch.float32)
+        self.num_ints = sum(sizes)
+        self.inputs = torch.zeros(self.num_ints + B, dtype=torch.int64, device=device)
+        self.ints = self.inputs[: self.num_ints]
+        self.floats = self.inputs[self.num_ints :].view(torch.float32)
         v = {n: self.ints[o : o + s] for (n, o), s in zip(self.offsets.items(), sizes, strict=True)}
         self.forward_batch = ForwardBatch(
             **{n: v[n] for n in names[:8]},
@@ -88,47 +91,73 @@ class _Graph:
             self.floats[:B], self.floats[B:], v["top_k"], v["seed"], v["sample_pos"],
             key.greedy, key.filtered, key.logprobs, key.num_top,
         )  # fmt: skip
+        per_item = ["input_ids", "positions", "rows", "prefix_lens", "seq_lens"]
+        per_item += [*(f"win_index{r}" for r in ratios), "top_k", "seed", "sample_pos"]
+        # item j's value of field f goes to word columns[f, j]; the rest of a step is the template
+        self.columns = np.array([[self.offsets[f] + j for j in range(B)] for f in per_item], dtype=np.int64)
+        self.template = self._template(pad_row)
+        # pinned staging buffers, used in turn (each with the event its copy recorded): the step
+        # before may still be queued to read one while the next step fills another
+        cuda = device.type == "cuda"
+        self.staging = []
+        for _ in range(STAGES if cuda else 1):
+            host = torch.empty(self.inputs.shape, dtype=torch.int64, pin_memory=cuda)
+            self.staging.append((host, host.numpy(), torch.cuda.Event() if cuda else None))
+        self.turn = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out = self.logits = torch.zeros(0)  # static outputs: (2 + 2k, B) sampled, (B, V) logits
 
-    def upload(self, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int) -> None:
-        """Copy the step's inputs (items, then padding) into the static buffers, without waiting (staged
-        in pinned buffers that the step before may still be reading from: `devices.copy_to_device`)."""
-        host = np.empty(self.inputs.shape, dtype=np.int64)
-        ints = self.ints.numel()
-        self.fill(host[:ints], host[ints:].view(np.float32), items, seeds, pad_row)
-        copy_to_device(self.inputs, torch.from_numpy(host))
-
-    def fill(
-        self, ints: Any, floats: Any, items: Sequence[StepItem], seeds: Sequence[int], pad_row: int
-    ) -> None:
-        B, n, off = self.batch, len(items), self.offsets
-        prefix = [i.prefix_len for i in items]
-
-        def put(name: str, values: Sequence[int], fill: int) -> None:
-            ints[off[name] : off[name] + n] = values
-            ints[off[name] + n : off[name] + B] = fill
-
-        put("input_ids", [i.token_ids[0] for i in items], 0)
-        put("positions", prefix, 0)
-        put("rows", [i.row for i in items], pad_row)
-        put("prefix_lens", prefix, 0)
-        put("seq_lens", [p + 1 for p in prefix], 1)
+    def _template(self, pad_row: int) -> np.ndarray:
+        """A step of padding only: every item on the pad row (its slots are sentinels), one token
+        each at position 0, no window closing; temperature 0, top-p 1."""
+        B, off = self.batch, self.offsets
+        host = np.zeros(self.inputs.shape, dtype=np.int64)
+        ints, floats = host[: self.num_ints], host[self.num_ints :].view(np.float32)
+        ints[off["rows"] : off["rows"] + B] = pad_row
+        for name in ("seq_lens", "sample_pos"):
+            ints[off[name] : off[name] + B] = 1
         for r in self.ratios:
-            put(f"win_index{r}", [(p + 1) // r - 1 if (p + 1) % r == 0 else -1 for p in prefix], -1)
-        put("top_k", [top_k_of(i.sampling.top_k) for i in items], 0)
-        put("seed", [s & MASK32 for s in seeds], 0)
-        put("sample_pos", [p + 1 for p in prefix], 1)
+            ints[off[f"win_index{r}"] : off[f"win_index{r}"] + B] = -1
         for name in ("token_req", "sample_index", *(f"win_req{r}" for r in self.ratios)):
-            ints[off[name] : off[name] + B] = range(B)
-        ints[off["cu_seqlens"] : off["cu_seqlens"] + B + 1] = range(B + 1)
-        floats[:n] = [i.sampling.temperature for i in items]
-        floats[B : B + n] = [i.sampling.top_p for i in items]
-        floats[n:B] = 0.0
-        floats[B + n :] = 1.0
+            ints[off[name] : off[name] + B] = np.arange(B)
+        ints[off["cu_seqlens"] : off["cu_seqlens"] + B + 1] = np.arange(B + 1)
+        floats[B:] = 1.0
+        return host
 
-    def capture(self, step: StepFn, pad_row: int, pool: object) -> None:
-        self.upload((), (), pad_row)  # a batch of padding only: every write lands on a sentinel
+    def upload(self, items: Sequence[StepItem], seeds: Sequence[int]) -> None:
+        """Copy the step's inputs (items, then padding) into the static buffers, without waiting: filled
+        in a pinned staging buffer whose previous copy has run (else in a fresh one), copied async."""
+        host, words, done = self.staging[self.turn]
+        self.turn = (self.turn + 1) % len(self.staging)
+        if done is not None and not done.query():  # its copy still queued (the host ran far ahead)
+            host, done = torch.empty_like(host, pin_memory=True), None
+            words = host.numpy()
+        self.fill(words, items, seeds)
+        copy_into(self.inputs, host, non_blocking=True)
+        if done is not None:
+            done.record(torch.cuda.current_stream(self.inputs.device))
+
+    def fill(self, host: np.ndarray, items: Sequence[StepItem], seeds: Sequence[int]) -> None:
+        """The template, then each item's fields in one indexed assignment, then its floats."""
+        np.copyto(host, self.template)
+        n = len(items)
+        if not n:
+            return
+        rows = []
+        for i, seed in zip(items, seeds, strict=True):
+            p = i.prefix_len
+            q = p + 1  # the sequence length after the step, and the sampled token's position
+            windows = [q // r - 1 if q % r == 0 else -1 for r in self.ratios]  # the window that closes
+            rows.append(
+                (i.token_ids[0], p, i.row, p, q, *windows, top_k_of(i.sampling.top_k), seed & MASK32, q)
+            )
+        host[self.columns[:, :n]] = np.array(rows, dtype=np.int64).T
+        floats = host[self.num_ints :].view(np.float32)
+        floats[:n] = [i.sampling.temperature for i in items]
+        floats[self.batch : self.batch + n] = [i.sampling.top_p for i in items]
+
+    def capture(self, step: StepFn, pool: object) -> None:
+        self.upload((), ())  # a batch of padding only: every write lands on a sentinel
         device = self.inputs.device  # the runner's, not necessarily the current device
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -184,10 +213,10 @@ class DecodeGraphs:
         (B, V) logits), valid until its next replay."""
         graph = self.graphs.get(key)
         if graph is None:
-            graph = _Graph(key, self.ratios, self.device)
-            graph.capture(self.step, self.pad_row, self.pool)  # a failed capture caches nothing
+            graph = _Graph(key, self.ratios, self.device, self.pad_row)
+            graph.capture(self.step, self.pool)  # a failed capture caches nothing
             self.graphs[key] = graph
-        graph.upload(items, seeds, self.pad_row)
+        graph.upload(items, seeds)
         assert graph.graph is not None
         graph.graph.replay()
         self.last = graph
