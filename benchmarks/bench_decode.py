@@ -19,9 +19,9 @@ taken on the device; the next step is planned and launched before the current on
 
 Prefill: transformers runs the forward as its `generate` does (`logits_to_keep=1`: the last
 position's logits only, as the engine computes them). `matmul_ms` is the floor of the engine's
-prefill set by its matrix products alone: every `F.linear`, `torch._grouped_mm` and `torch.einsum`
-call of one eager prefill recorded with its very tensors and replayed back to back in a CUDA graph
-(no attention, norms, mHC, routing or host work).
+prefill set by its matrix products alone: every `F.linear`, `torch._grouped_mm`, `torch.bmm` and
+`torch.einsum` call of one eager prefill recorded with its very tensors and replayed back to back in a
+CUDA graph (no attention, norms, mHC, routing or host work).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch
 from dsv4serve.attention.metadata import BatchItem, build_forward_batch
 from dsv4serve.bench import CoreDriver, sync
 from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.executor.graphs import _Graph
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory.sizing_layout import engine_pool_sizes
 from dsv4serve.models.hf_names import official_weights
@@ -158,7 +159,12 @@ def matmul_floor_ms(run: Any, device: str) -> float:
     import torch.nn.functional as F
 
     calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-    originals = {"linear": F.linear, "_grouped_mm": torch._grouped_mm, "einsum": torch.einsum}
+    originals = {
+        "linear": F.linear,
+        "_grouped_mm": torch._grouped_mm,
+        "einsum": torch.einsum,
+        "bmm": torch.bmm,
+    }
 
     def recording(name: str) -> Any:
         fn = originals[name]
@@ -169,7 +175,7 @@ def matmul_floor_ms(run: Any, device: str) -> float:
 
         return record
 
-    owners = {"linear": F, "_grouped_mm": torch, "einsum": torch}
+    owners = {"linear": F, "_grouped_mm": torch, "einsum": torch, "bmm": torch}
     for name, owner in owners.items():
         setattr(owner, name, recording(name))
     try:
@@ -261,6 +267,36 @@ def distinct_experts(runner: ModelRunner, core: CoreDriver, rids: list[str]) -> 
     finally:
         runner.model.ops = ops
     return counts
+
+
+class HostClock:
+    """Host time of each call of the named methods while the clock is entered (patched, then restored)."""
+
+    def __init__(self, targets: dict[str, tuple[Any, str]]) -> None:
+        self.targets = targets
+        self.times: dict[str, list[float]] = {name: [] for name in targets}
+        self.saved: dict[str, Any] = {}
+
+    def __enter__(self) -> HostClock:
+        for name, (owner, attr) in self.targets.items():
+            self.saved[name] = original = getattr(owner, attr)
+
+            def timed(*args: Any, _f: Any = original, _t: list[float] = self.times[name], **kw: Any) -> Any:
+                begin = time.perf_counter()
+                try:
+                    return _f(*args, **kw)
+                finally:
+                    _t.append(time.perf_counter() - begin)
+
+            setattr(owner, attr, timed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, (owner, attr) in self.targets.items():
+            setattr(owner, attr, self.saved[name])
+
+    def medians_ms(self, skip: int = 0) -> dict[str, float]:
+        return {n: round(statistics.median(t[skip:] or t) * 1e3, 3) for n, t in self.times.items() if t}
 
 
 def replay_ms(runner: ModelRunner) -> float | None:
@@ -458,7 +494,10 @@ def main() -> None:
             core.prefill(prompts, engine.max_num_batched_tokens)
             rids = list(prompts)
             experts = distinct_experts(runner, core, rids)
-            times = core.decode(rids, args.steps)
+            with HostClock(
+                {"upload": (_Graph, "upload"), "graph_launch": (torch.cuda.CUDAGraph, "replay")}
+            ) as clock:
+                times = core.decode(rids, args.steps)
             launches = core.launch_times[-len(times) :]
             lengths = [core.lengths[r] for r in rids]
             nbytes = {
@@ -475,6 +514,7 @@ def main() -> None:
                 "distinct_experts": experts,
             }
             entry["core_over_roofline"] = round(entry["core_ms"] / roofline, 2)
+            entry["launch_parts_ms"] = clock.medians_ms(skip=2)  # of launch_host_ms
             if device == "cuda":
                 entry["replay_ms"] = round(replay_ms(runner) or 0.0, 3)  # the graph of the steps above
             overlapped = core.decode_overlapped(rids, args.steps)  # as the engine's executor runs steps

@@ -5,8 +5,10 @@ small steps with and without splitting the keys over programs, and the mHC pre-m
 prefill. Prints one JSON object: median ms per variant, with the variant the package uses now marked
 "current".
 
-    python benchmarks/bench_kernels.py [--mhc | --moe | --gemv]   (one sweep only; --gemv: the decode
-        projections' GEMMs at 1 and 8 rows, per tile, in us and GB/s of weight read)
+    python benchmarks/bench_kernels.py [--mhc | --moe | --gemv | --launch | --prefill]   (one sweep only;
+        --gemv: the decode projections' GEMMs at 1 and 8 rows, per tile, in us and GB/s of weight read;
+        --launch: a CUDA graph launch's host time and when the device starts its work; --prefill: the
+        8 x 1024 attention and mHC sweeps)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -114,6 +117,7 @@ def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> 
         configs += [(16, 64, 8, 2, 64), (16, 32, 4, 3, 32)]
     else:
         configs = [(16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (16, 32, 4, 3)]
+        configs += [(64, 32, 16, 2), (64, 64, 16, 2), (64, 32, 16, 3), (64, 16, 8, 3)]
     out: dict[str, float] = {}
     for c in [None, *configs]:
         setattr(sparse_triton, which, current if c is None else sparse_triton.AttentionConfig(*c))
@@ -149,6 +153,7 @@ def mhc_sweep(tokens: int = 8192) -> dict[str, float]:
     norm = torch.randn(D, device="cuda", dtype=torch.bfloat16)
     tiles, splits = mhc_triton.PREFILL_TILES, mhc_triton.LARGE_SPLITS
     configs = [(128, 32, 8, 4), (128, 32, 8, 16), (256, 32, 8, 8), (128, 32, 4, 8), (64, 64, 4, 16)]
+    configs += [(128, 64, 8, 8), (128, 128, 8, 8), (256, 64, 8, 8), (64, 128, 4, 8)]
     out: dict[str, float] = {}
     for c in [None, *configs]:
         mhc_triton.PREFILL_TILES = tiles if c is None else c[:3]
@@ -205,7 +210,60 @@ def gemv_sweep(rows: int) -> dict[str, Any]:
     return out
 
 
+def launch_sweep() -> dict[str, Any]:
+    """What a graph launch costs the host and when the device starts: graphs of n tiny kernels (host
+    time of `replay()`, and until the device is done), and 128 kernels of ~8 us each launched as one
+    graph or as k graphs back to back (if the device waits for a whole launch, k graphs finish sooner)."""
+    x = torch.zeros(1, device="cuda")
+    out: dict[str, Any] = {}
+
+    def clocks(graphs: list[torch.cuda.CUDAGraph], reps: int = 30) -> dict[str, float]:
+        host, wall = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            for g in graphs:
+                g.replay()
+            launched = time.perf_counter()
+            torch.cuda.synchronize()
+            host.append(launched - begin)
+            wall.append(time.perf_counter() - begin)
+        return {
+            "host_us": round(statistics.median(host[3:]) * 1e6, 1),
+            "wall_us": round(statistics.median(wall[3:]) * 1e6, 1),
+        }
+
+    def captured(n: int, work: Any) -> torch.cuda.CUDAGraph:
+        work()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                work()
+        return g
+
+    for n in (32, 64, 128, 256):
+        out[f"tiny_x{n}"] = clocks([captured(n, lambda: x.add_(1))])
+    cycles = int(8e-6 * torch.cuda.clock_rate() * 1e6) if hasattr(torch.cuda, "clock_rate") else 15000
+    for k in (1, 2, 4, 8):
+        out[f"sleep8us_x128_in_{k}"] = clocks(
+            [captured(128 // k, lambda: torch.cuda._sleep(cycles)) for _ in range(k)]
+        )
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--prefill"]:
+        report = {
+            "gpu": torch.cuda.get_device_name(),
+            "attention_prefill_8x1024": attention_sweep([(0, 1024)] * 8, "PREFILL_CONFIG"),
+            "mhc_prefill_8x1024": mhc_sweep(),
+        }
+        print(json.dumps(report))
+        return
+    if sys.argv[1:] == ["--launch"]:
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "graph_launch": launch_sweep()}))
+        return
     if sys.argv[1:] == ["--gemv"]:
         report = {"gpu": torch.cuda.get_device_name(), "gemv_m1": gemv_sweep(1), "gemv_m8": gemv_sweep(8)}
         print(json.dumps(report))
