@@ -2,9 +2,10 @@
 
 hc_pre runs as two kernels: `_mix_partials` splits the fp32 GEMV `h_flat @ fn^T` (and the sum of
 squares of h_flat) over K-slices; `_hc_pre_epilogue` sums the slices in a fixed order, applies the
-sigmoids and the Sinkhorn iterations, collapses the streams and RMSNorms the block input. The number
-of K-slices comes in three classes of step size: MAX_SPLITS for steps of up to 16 tokens (a single
-decode token keeps many SMs busy; the result never depends on the batch), MID_SPLITS below
+sigmoids and the Sinkhorn iterations in one program per token, and collapses the streams and RMSNorms
+the block input in another (the two latency chains side by side). The number of K-slices comes in
+three classes of step size: MAX_SPLITS for steps of up to 16 tokens (a single decode token keeps many
+SMs busy; the result never depends on the batch), MID_SPLITS below
 LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128 slices wrote a workspace half the size
 of the streams). The epilogue's tile of slices follows the class, so at most three variants compile.
 hc_post is one elementwise kernel with the reference's rounding steps. hc_head (the final collapse and
@@ -115,9 +116,7 @@ def _hc_pre_epilogue_kernel(
     part = ws_ptr + (sp * T + t) * MIX_ROWS  # (BLOCK_S,): the K-slices' partials, summed as one tile
     sumsq = tl.sum(tl.load(part + MIX_ROWS - 1, mask=smask, other=0.0), axis=0)
     rs = tl.rsqrt(sumsq / K + norm_eps)  # the RMS of the flat streams
-    pre_w = tl.sum(tl.load(part[:, None] + n[None, :], mask=smask[:, None], other=0.0), axis=0)
-    pre = tl.sigmoid(pre_w * rs * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps
-    if not HEAD:
+    if not HEAD and tl.program_id(1) == 0:  # post and comb (Sinkhorn), beside the collapse's program
         post_w = tl.sum(tl.load(part[:, None] + HC + n[None, :], mask=smask[:, None], other=0.0), axis=0)
         cm = 2 * HC + n[:, None] * HC + n[None, :]  # (HC, HC): row m, column n of comb
         comb_w = tl.sum(
@@ -133,6 +132,9 @@ def _hc_pre_epilogue_kernel(
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
         tl.store(post_ptr + t * HC + n, post)
         tl.store(comb_ptr + t * HC * HC + n[:, None] * HC + n[None, :], comb)
+        return
+    pre_w = tl.sum(tl.load(part[:, None] + n[None, :], mask=smask[:, None], other=0.0), axis=0)
+    pre = tl.sigmoid(pre_w * rs * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     hs = tl.load(h_ptr + t * stride_ht + n[:, None] * stride_hn + d[None, :], mask=dmask[None, :], other=0.0)
@@ -188,7 +190,7 @@ def _collapse(
         h, hc.fn, ws, T, K, per_split, hc.fn.shape[0], h.stride(0),
         BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, BF16=h.dtype == torch.bfloat16, num_warps=warps,
     )  # fmt: skip
-    _hc_pre_epilogue_kernel[(T,)](
+    _hc_pre_epilogue_kernel[(T, 1 if head else 2)](  # the Sinkhorn's program runs beside the collapse's
         h, ws, hc.base, hc.scale, norm_weight, x, x if post is None else post, x if comb is None else comb,
         T, D, K, splits, h.stride(0), h.stride(1), p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n,
         BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS, BLOCK_D=pow2(D), HEAD=head,
