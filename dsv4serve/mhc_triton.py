@@ -57,6 +57,7 @@ def _mix_partials_kernel(
     r = tl.arange(0, MIX_ROWS)
     rmask = r < NUM_MIX
     acc = tl.zeros((BLOCK_T, MIX_ROWS), tl.float32)
+    small = tl.zeros((BLOCK_T, MIX_ROWS), tl.float32)  # the bf16 path's products of fn's low pieces
     sumsq = tl.zeros((BLOCK_T,), tl.float32)
     k_lo = s * K_PER_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
@@ -71,13 +72,14 @@ def _mix_partials_kernel(
             mid = rest.to(tl.bfloat16)
             lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
             acc = tl.dot(h, tl.trans(hi), acc)
-            acc = tl.dot(h, tl.trans(mid), acc)
-            acc = tl.dot(h, tl.trans(lo), acc)
+            small = tl.dot(h, tl.trans(mid), small)  # apart: the MMA's adder drops what is far below acc
+            small = tl.dot(h, tl.trans(lo), small)
             h = h.to(tl.float32)
         else:
             h = h.to(tl.float32)
             acc += tl.dot(h, tl.trans(fn), input_precision="tf32x3")
         sumsq += tl.sum(h * h, axis=1)
+    acc += small
     acc = tl.where(r[None, :] == MIX_ROWS - 1, sumsq[:, None], acc)
     dst = ws_ptr + (s * T + t.to(tl.int64))[:, None] * MIX_ROWS + r[None, :]
     tl.store(dst, acc, mask=tmask[:, None])

@@ -113,6 +113,6 @@ def test_mixes_are_fp32_accurate(dtype: torch.dtype) -> None:
     )  # fmt: skip
     want = h.double() @ fn.double().T
     err = (ws[0, :, :rows].double() - want).abs().max() / want.abs().max()
-    assert float(err) < 2e-6, float(err)
+    assert float(err) < 1e-6, float(err)  # ~2.5e-7 here; two pieces (or fn's low piece lost) ~2.3e-6
     sumsq = (h.double() ** 2).sum(1)
     torch.testing.assert_close(ws[0, :, -1].double(), sumsq, rtol=1e-6, atol=0)
