@@ -2,11 +2,11 @@
 
 hc_pre runs as two kernels: `_mix_partials` splits the fp32 GEMV `h_flat @ fn^T` (and the sum of
 squares of h_flat) over K-slices; `_hc_pre_epilogue` sums the slices in a fixed order, applies the
-sigmoids and the Sinkhorn iterations in one program per token, and collapses the streams and RMSNorms
-the block input in another (the two latency chains side by side). The number of K-slices comes in
-three classes of step size: MAX_SPLITS for steps of up to 16 tokens (a single decode token keeps many
-SMs busy; the result never depends on the batch), MID_SPLITS below
-LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128 slices wrote a workspace half the size
+sigmoids and the Sinkhorn iterations, collapses the streams and RMSNorms the block input (for steps of
+up to 16 tokens the Sinkhorn in a program of its own beside the collapse's: two latency chains side
+by side). The number of K-slices comes in three classes of step size: MAX_SPLITS for steps of up to
+16 tokens (a single decode token keeps many SMs busy; the result never depends on the batch),
+MID_SPLITS below LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128 slices wrote a workspace half the size
 of the streams). The epilogue's tile of slices follows the class, so at most three variants compile.
 hc_post is one elementwise kernel with the reference's rounding steps. hc_head (the final collapse and
 the last norm) runs hc_pre's two kernels with the pre weights only.
@@ -109,6 +109,7 @@ def _hc_pre_epilogue_kernel(
     MIX_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD: tl.constexpr,  # the head's collapse: pre weights only (no post, no comb), one scale
+    ROLES: tl.constexpr,  # 2: the Sinkhorn in a program of its own beside the collapse's; 1: one program
 ):
     t = tl.program_id(0).to(tl.int64)
     DTYPE = h_ptr.dtype.element_ty
@@ -118,7 +119,7 @@ def _hc_pre_epilogue_kernel(
     part = ws_ptr + (sp * T + t) * MIX_ROWS  # (BLOCK_S,): the K-slices' partials, summed as one tile
     sumsq = tl.sum(tl.load(part + MIX_ROWS - 1, mask=smask, other=0.0), axis=0)
     rs = tl.rsqrt(sumsq / K + norm_eps)  # the RMS of the flat streams
-    if not HEAD and tl.program_id(1) == 0:  # post and comb (Sinkhorn), beside the collapse's program
+    if not HEAD and tl.program_id(1) == 0:  # post and comb (the Sinkhorn)
         post_w = tl.sum(tl.load(part[:, None] + HC + n[None, :], mask=smask[:, None], other=0.0), axis=0)
         cm = 2 * HC + n[:, None] * HC + n[None, :]  # (HC, HC): row m, column n of comb
         comb_w = tl.sum(
@@ -134,7 +135,8 @@ def _hc_pre_epilogue_kernel(
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
         tl.store(post_ptr + t * HC + n, post)
         tl.store(comb_ptr + t * HC * HC + n[:, None] * HC + n[None, :], comb)
-        return
+        if ROLES == 2:
+            return
     pre_w = tl.sum(tl.load(part[:, None] + n[None, :], mask=smask[:, None], other=0.0), axis=0)
     pre = tl.sigmoid(pre_w * rs * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps
     d = tl.arange(0, BLOCK_D)
@@ -192,10 +194,13 @@ def _collapse(
         h, hc.fn, ws, T, K, per_split, hc.fn.shape[0], h.stride(0),
         BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, BF16=h.dtype == torch.bfloat16, num_warps=warps,
     )  # fmt: skip
-    _hc_pre_epilogue_kernel[(T, 1 if head else 2)](  # the Sinkhorn's program runs beside the collapse's
+    # decode-sized steps run the Sinkhorn beside the collapse (latency: 75 -> 60 us for 9 calls of a
+    # batch-1 step, run 32); larger ones in the same program (at 8 x 1024 two roles cost 0.89 -> 1.08 ms)
+    roles = 1 if head or T > 16 else 2
+    _hc_pre_epilogue_kernel[(T, roles)](
         h, ws, hc.base, hc.scale, norm_weight, x, x if post is None else post, x if comb is None else comb,
         T, D, K, splits, h.stride(0), h.stride(1), p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n,
-        BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS, BLOCK_D=pow2(D), HEAD=head,
+        BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS, BLOCK_D=pow2(D), HEAD=head, ROLES=roles,
         num_warps=8,  # the collapse over hidden dominates: one warp was 3x slower
     )  # fmt: skip
     return x
