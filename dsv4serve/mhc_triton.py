@@ -6,8 +6,9 @@ sigmoids and the Sinkhorn iterations, collapses the streams and RMSNorms the blo
 up to 16 tokens the Sinkhorn in a program of its own beside the collapse's: two latency chains side
 by side). The number of K-slices comes in three classes of step size: MAX_SPLITS for steps of up to
 16 tokens (a single decode token keeps many SMs busy; the result never depends on the batch),
-MID_SPLITS below LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128 slices wrote a workspace half the size
-of the streams). The epilogue's tile of slices follows the class, so at most three variants compile.
+MID_SPLITS below LARGE_STEP tokens, LARGE_SPLITS above (at 8 x 1024 tokens 128 slices wrote a
+workspace half the size of the streams). The epilogue's tile of slices follows the class, so at most
+three variants compile.
 hc_post is one elementwise kernel with the reference's rounding steps. hc_head (the final collapse and
 the last norm) runs hc_pre's two kernels with the pre weights only.
 """
