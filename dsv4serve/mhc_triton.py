@@ -80,10 +80,33 @@ def _mix_partials_kernel(
             h = h.to(tl.float32)
             acc += tl.dot(h, tl.trans(fn), input_precision="tf32x3")
         sumsq += tl.sum(h * h, axis=1)
-    acc += small
+    if BF16:
+        acc += small
     acc = tl.where(r[None, :] == MIX_ROWS - 1, sumsq[:, None], acc)
     dst = ws_ptr + (s * T + t.to(tl.int64))[:, None] * MIX_ROWS + r[None, :]
     tl.store(dst, acc, mask=tmask[:, None])
+
+
+@triton.jit
+def _post_comb(part, smask, rs, base_ptr, scale_ptr, post_ptr, comb_ptr, t, hc_eps, ITERS: tl.constexpr,
+               HC: tl.constexpr):  # fmt: skip
+    """A token's post weights and its Sinkhorn-normalised comb from the summed mixes, stored."""
+    n = tl.arange(0, HC)
+    post_w = tl.sum(tl.load(part[:, None] + HC + n[None, :], mask=smask[:, None], other=0.0), axis=0)
+    cm = 2 * HC + n[:, None] * HC + n[None, :]  # (HC, HC): row m, column n of comb
+    comb_w = tl.sum(
+        tl.load(part[:, None, None] + cm[None, :, :], mask=smask[:, None, None], other=0.0), axis=0
+    )
+    post = 2.0 * tl.sigmoid(post_w * rs * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + n))
+    logits = comb_w * rs * tl.load(scale_ptr + 2) + tl.load(base_ptr + cm)
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(post_ptr + t * HC + n, post)
+    tl.store(comb_ptr + t * HC * HC + n[:, None] * HC + n[None, :], comb)
 
 
 @triton.jit
@@ -120,23 +143,11 @@ def _hc_pre_epilogue_kernel(
     part = ws_ptr + (sp * T + t) * MIX_ROWS  # (BLOCK_S,): the K-slices' partials, summed as one tile
     sumsq = tl.sum(tl.load(part + MIX_ROWS - 1, mask=smask, other=0.0), axis=0)
     rs = tl.rsqrt(sumsq / K + norm_eps)  # the RMS of the flat streams
-    if not HEAD and tl.program_id(1) == 0:  # post and comb (the Sinkhorn)
-        post_w = tl.sum(tl.load(part[:, None] + HC + n[None, :], mask=smask[:, None], other=0.0), axis=0)
-        cm = 2 * HC + n[:, None] * HC + n[None, :]  # (HC, HC): row m, column n of comb
-        comb_w = tl.sum(
-            tl.load(part[:, None, None] + cm[None, :, :], mask=smask[:, None, None], other=0.0), axis=0
-        )
-        post = 2.0 * tl.sigmoid(post_w * rs * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + n))
-        logits = comb_w * rs * tl.load(scale_ptr + 2) + tl.load(base_ptr + cm)
-        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in tl.static_range(ITERS - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        tl.store(post_ptr + t * HC + n, post)
-        tl.store(comb_ptr + t * HC * HC + n[:, None] * HC + n[None, :], comb)
-        if ROLES == 2:
+    if not HEAD:
+        if ROLES == 1:  # one program per token: the Sinkhorn, then the collapse (straight-line code)
+            _post_comb(part, smask, rs, base_ptr, scale_ptr, post_ptr, comb_ptr, t, hc_eps, ITERS, HC)
+        elif tl.program_id(1) == 0:  # the Sinkhorn's own program; program 1 collapses
+            _post_comb(part, smask, rs, base_ptr, scale_ptr, post_ptr, comb_ptr, t, hc_eps, ITERS, HC)
             return
     pre_w = tl.sum(tl.load(part[:, None] + n[None, :], mask=smask[:, None], other=0.0), axis=0)
     pre = tl.sigmoid(pre_w * rs * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps
