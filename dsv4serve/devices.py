@@ -6,7 +6,8 @@ buffers and copied asynchronously, in stream order: a buffer is written again on
 queued from it has run (one event per buffer, nearly always complete by then; if not, that copy takes a
 fresh pinned buffer: the caller never waits for the device). Allocating pinned
 memory per copy cost ~0.06 ms each on the H200 (`aten::empty` in a host profile of batch-1 decode steps,
-four per step); larger copies (prefill metadata) still take a fresh pinned buffer.
+four per step); larger copies (prefill metadata) still take a fresh pinned buffer. A decode graph's
+inputs have pinned buffers of their own (`PinnedStages`), which the host fills in place.
 """
 
 from __future__ import annotations
@@ -14,25 +15,28 @@ from __future__ import annotations
 import importlib.util
 import threading
 
+import numpy as np
 import torch
 
 from dsv4serve.config import ConfigError
 
-RING_SLOTS = 16  # a decode step stages ~4 copies; the host runs at most a step or two ahead
-RING_BYTES = 64 << 10  # a graph bucket of 256 requests uploads ~20 KB
+RING_SLOTS = (
+    16  # a step's slot-table writes and metadata stage a few copies; the host runs a step or two ahead
+)
+RING_BYTES = 64 << 10  # a decode step's table writes and sampling rows at 256 requests stay well below
 
 
 def pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
-def copy_into(host: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
-    """host.copy_(src) inside inference mode: a reused buffer may have been made inside a step's
+def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """dst.copy_(src) inside inference mode: a reused buffer may have been made inside a step's
     inference mode (an inference tensor, which torch lets only inference mode update in place; on the
     H200's torch 2.11 even one made under `inference_mode(False)` was) and be written outside it (the
     slot tables' copies), or the other way round."""
     with torch.inference_mode():
-        host.copy_(src, non_blocking=non_blocking)
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 class _PinnedRing:
@@ -63,6 +67,41 @@ class _PinnedRing:
                 self.events[i].record(torch.cuda.current_stream(self.device))  # the stream the copy went to
                 self.used[i] = True
         return out
+
+
+class PinnedStages:
+    """Persistent pinned buffers of one device tensor's uploads (a decode graph's inputs), filled in
+    place by the host and used in turn: a buffer is filled again only once the copy queued from it has
+    run (its event), else a fresh one is (the host never waits for the device). One thread at a time
+    (`stage`, fill, `send`). On the CPU: one plain buffer, copied at once."""
+
+    def __init__(self, dst: torch.Tensor, count: int = 3) -> None:
+        self.dst = dst
+        cuda = dst.device.type == "cuda"
+        self.slots: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+        for _ in range(count if cuda else 1):
+            host = pinned(tuple(dst.shape), dst.dtype) if cuda else torch.empty_like(dst)
+            self.slots.append((host, host.numpy(), torch.cuda.Event() if cuda else None))
+        self.turn = 0
+        self.staged: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def stage(self) -> np.ndarray:
+        """The next buffer to fill (a numpy view of it); `send()` then queues its copy."""
+        host, words, done = self.slots[self.turn]
+        self.turn = (self.turn + 1) % len(self.slots)
+        if done is not None and not done.query():  # its copy still queued (the host ran far ahead)
+            host, done = pinned(tuple(host.shape), host.dtype), None
+            words = host.numpy()
+        self.staged = (host, done)
+        return words
+
+    def send(self) -> None:
+        """Queue the copy of the staged buffer into the device tensor, without waiting."""
+        assert self.staged is not None, "stage() first"
+        (host, done), self.staged = self.staged, None
+        copy_into(self.dst, host, non_blocking=True)
+        if done is not None:
+            done.record(torch.cuda.current_stream(self.dst.device))  # the stream the copy went to
 
 
 def _queue(host: torch.Tensor, dst: torch.Tensor | None, device: torch.device) -> torch.Tensor:

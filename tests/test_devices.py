@@ -29,6 +29,21 @@ def test_ring_copies_behind_slow_work_keep_their_values() -> None:
     assert torch.equal(dst.cpu()[odd], expected[odd])
 
 
+def test_pinned_stages_keep_the_values_of_copies_queued_behind_slow_work() -> None:
+    """More uploads than staging buffers while every copy still waits: none refills a buffer whose copy
+    has not run (the fourth and later take fresh ones)."""
+    dst = torch.zeros(100, dtype=torch.int64, device="cuda")
+    stages = devices.PinnedStages(dst, count=3)
+    torch.cuda._sleep(200_000_000)  # the stream is busy for ~0.1 s
+    snapshots = []
+    for i in range(8):
+        stages.stage()[:] = i
+        stages.send()
+        snapshots.append(dst.clone())
+    torch.cuda.synchronize()
+    assert [s.tolist() for s in snapshots] == [[i] * 100 for i in range(8)]
+
+
 def test_large_copies_and_empty_tensors() -> None:
     big = torch.arange(devices.RING_BYTES, dtype=torch.int32)  # 4x the ring's buffer: a fresh one
     assert torch.equal(devices.to_device(big, "cuda").cpu(), big)

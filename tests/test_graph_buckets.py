@@ -71,8 +71,8 @@ def test_a_graph_upload_holds_the_eager_batch_then_padding(n: int) -> None:
     ratios, B, pad_row = (4, 128), 8, 99
     graph = _Graph(GraphKey(B, 1024, False, True, False, 0), ratios, torch.device("cpu"), pad_row)
     rng = random.Random(n)
-    for _ in range(3):  # the same buffers refilled: nothing of a step before survives
-        prefixes = [rng.choice([rng.randrange(0, 1000), 127, 511, 1023]) for _ in range(n)]
+    for size in (n, 0, n // 2, n):  # the same buffers refilled: nothing of a step before survives
+        prefixes = [rng.choice([rng.randrange(0, 1000), 127, 511, 1023]) for _ in range(size)]
         items = [
             StepItem(
                 rid=f"r{j}", prefix_len=p, token_ids=(rng.choice([LOOKAHEAD, rng.randrange(1000)]),),
@@ -89,7 +89,7 @@ def test_a_graph_upload_holds_the_eager_batch_then_padding(n: int) -> None:
         )
         for name in ("input_ids", "positions", "rows", "prefix_lens", "seq_lens"):
             pad = {"rows": pad_row, "seq_lens": 1}.get(name, 0)
-            assert getattr(got, name).tolist() == getattr(eager, name).tolist() + [pad] * (B - n), name
+            assert getattr(got, name).tolist() == getattr(eager, name).tolist() + [pad] * (B - size), name
         assert got.token_req.tolist() == got.sample_index.tolist() == list(range(B))
         assert got.cu_seqlens.tolist() == list(range(B + 1))
         for r in ratios:
@@ -97,9 +97,9 @@ def test_a_graph_upload_holds_the_eager_batch_then_padding(n: int) -> None:
             assert got.windows[r].index.tolist() == [closing.get(j, -1) for j in range(B)]
             assert got.windows[r].req.tolist() == list(range(B))
         assert params.temperature.tolist() == pytest.approx(
-            [i.sampling.temperature for i in items] + [0.0] * (B - n)
+            [i.sampling.temperature for i in items] + [0.0] * (B - size)
         )
-        assert params.top_p.tolist() == pytest.approx([i.sampling.top_p for i in items] + [1.0] * (B - n))
-        assert params.top_k.tolist() == [top_k_of(i.sampling.top_k) for i in items] + [0] * (B - n)
-        assert params.seed.tolist() == [s & 0xFFFFFFFF for s in seeds] + [0] * (B - n)
-        assert params.position.tolist() == [p + 1 for p in prefixes] + [1] * (B - n)
+        assert params.top_p.tolist() == pytest.approx([i.sampling.top_p for i in items] + [1.0] * (B - size))
+        assert params.top_k.tolist() == [top_k_of(i.sampling.top_k) for i in items] + [0] * (B - size)
+        assert params.seed.tolist() == [s & 0xFFFFFFFF for s in seeds] + [0] * (B - size)
+        assert params.position.tolist() == [p + 1 for p in prefixes] + [1] * (B - size)

@@ -106,6 +106,8 @@ def _grouped_output(out: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, op
     T, G, R = out.shape[0], cfg.o_groups, cfg.o_lora_rank
     grouped = out.reshape(T, G, -1).transpose(0, 1)  # (G, T, H*D/G), a view
     wo_a = w.wo_a.view(G, R, -1).transpose(1, 2)  # (G, H*D/G, o_lora)
+    # mixed[t, g] = wo_a[g] @ grouped[t, g] (einsum "tgi,goi->tgo"), the bmm writing straight into
+    # (T, G, o_lora) order: torch copies back itself where a device's bmm takes no strided output
     mixed = torch.empty(T, G * R, dtype=out.dtype, device=out.device)
-    torch.bmm(grouped, wo_a, out=mixed.view(T, G, R).transpose(0, 1))  # written in (T, G, o_lora) order
+    torch.bmm(grouped, wo_a, out=mixed.view(T, G, R).transpose(0, 1))
     return ops.linear(mixed, w.wo_b)

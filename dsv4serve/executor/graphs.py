@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch, WindowMeta
-from dsv4serve.devices import copy_into
+from dsv4serve.devices import PinnedStages
 from dsv4serve.executor.sampling import SamplingBatch, top_k_of
 from dsv4serve.protocol import MAX_TOP_LOGPROBS, StepItem
 
@@ -96,14 +96,7 @@ class _Graph:
         # item j's value of field f goes to word columns[f, j]; the rest of a step is the template
         self.columns = np.array([[self.offsets[f] + j for j in range(B)] for f in per_item], dtype=np.int64)
         self.template = self._template(pad_row)
-        # pinned staging buffers, used in turn (each with the event its copy recorded): the step
-        # before may still be queued to read one while the next step fills another
-        cuda = device.type == "cuda"
-        self.staging = []
-        for _ in range(STAGES if cuda else 1):
-            host = torch.empty(self.inputs.shape, dtype=torch.int64, pin_memory=cuda)
-            self.staging.append((host, host.numpy(), torch.cuda.Event() if cuda else None))
-        self.turn = 0
+        self.stages = PinnedStages(self.inputs, STAGES)  # the step before may still read one
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out = self.logits = torch.zeros(0)  # static outputs: (2 + 2k, B) sampled, (B, V) logits
 
@@ -127,15 +120,9 @@ class _Graph:
     def upload(self, items: Sequence[StepItem], seeds: Sequence[int]) -> None:
         """Copy the step's inputs (items, then padding) into the static buffers, without waiting: filled
         in a pinned staging buffer whose previous copy has run (else in a fresh one), copied async."""
-        host, words, done = self.staging[self.turn]
-        self.turn = (self.turn + 1) % len(self.staging)
-        if done is not None and not done.query():  # its copy still queued (the host ran far ahead)
-            host, done = torch.empty_like(host, pin_memory=True), None
-            words = host.numpy()
+        words = self.stages.stage()
         self.fill(words, items, seeds)
-        copy_into(self.inputs, host, non_blocking=True)
-        if done is not None:
-            done.record(torch.cuda.current_stream(self.inputs.device))
+        self.stages.send()
 
     def fill(self, host: np.ndarray, items: Sequence[StepItem], seeds: Sequence[int]) -> None:
         """The template, then each item's fields in one indexed assignment, then its floats."""

@@ -326,11 +326,14 @@ def grouped_mm_experts(
     rows = x.index_select(0, order // k)  # (P, hidden)
     gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs)  # (P, I)
     up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offs)
-    y = torch._grouped_mm(_swiglu(gate, up, limit), w2.transpose(1, 2), offs=offs)  # (P, hidden), by expert
+    y = torch._grouped_mm(
+        _swiglu_rows(gate, up, limit), w2.transpose(1, 2), offs=offs
+    )  # (P, hidden), by expert
     extra = None
     if shared is not None:
         s1, s2, s3 = shared
-        extra = linear(_swiglu(linear(x, s1), linear(x, s3), limit), s2)  # (T, hidden)
+        extra = linear(_swiglu_rows(linear(x, s1), linear(x, s3), limit), s2)  # (T, hidden)
+        assert extra.is_contiguous()  # the kernel reads row t at t * hidden
     where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
     out = torch.empty_like(x)
     block = min(pow2(x.shape[1]), 1024)
@@ -341,7 +344,7 @@ def grouped_mm_experts(
     return out
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def _swiglu_rows(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """The clamped SwiGLU of (rows, I) gate and up projections, in one kernel."""
     assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
     h = torch.empty_like(gate)
@@ -409,7 +412,8 @@ def routed_experts(
     """The chosen experts' SwiGLU outputs, weighted and summed per token, plus the shared expert's.
 
     The shared expert rides along as expert E (every token's extra pair, weight 1) when its weights
-    have the routed ones' format and size: no launches of its own.
+    have the routed ones' format and size: no launches of its own. In the bf16 prefill path
+    (`torch._grouped_mm`) it runs as dense GEMMs and the same SwiGLU kernel, added in the un-permute.
     """
     T, hidden = x.shape
     num_experts, inter, _ = w1.shape
