@@ -43,16 +43,21 @@ def timed(fn: Any, reps: int = 10) -> float:
     return round(statistics.median(times[1:]), 3)
 
 
-def timed_graph(fn: Any, calls: int = 20) -> float:
-    """Median ms of one call, replayed from a CUDA graph of `calls` calls: what a captured decode
-    step pays (no launch overhead), for kernels shorter than their Python launch."""
+def captured(fn: Any, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of fn (after one eager warm-up call)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return round(timed(graph.replay) / calls, 4)
+    return graph
+
+
+def timed_graph(fn: Any, calls: int = 20) -> float:
+    """Median ms of one call, replayed from a CUDA graph of `calls` calls: what a captured decode
+    step pays (no launch overhead), for kernels shorter than their Python launch."""
+    return round(timed(captured(fn, calls).replay) / calls, 4)
 
 
 def moe_sweep() -> dict[str, float]:
@@ -233,21 +238,13 @@ def launch_sweep() -> dict[str, Any]:
             "wall_us": round(statistics.median(wall[3:]) * 1e6, 1),
         }
 
-    def captured(n: int, work: Any) -> torch.cuda.CUDAGraph:
-        work()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(n):
-                work()
-        return g
-
     for n in (32, 64, 128, 256):
-        out[f"tiny_x{n}"] = clocks([captured(n, lambda: x.add_(1))])
-    cycles = int(8e-6 * torch.cuda.clock_rate() * 1e6) if hasattr(torch.cuda, "clock_rate") else 15000
+        out[f"tiny_x{n}"] = clocks([captured(lambda: x.add_(1), n)])
+    cycles = 15_000  # ~8 us at the H200's boost clock; the measured length is reported
+    out["sleep_us"] = round(timed_graph(lambda: torch.cuda._sleep(cycles)) * 1e3, 2)
     for k in (1, 2, 4, 8):
         out[f"sleep8us_x128_in_{k}"] = clocks(
-            [captured(128 // k, lambda: torch.cuda._sleep(cycles)) for _ in range(k)]
+            [captured(lambda: torch.cuda._sleep(cycles), 128 // k) for _ in range(k)]
         )
     return out
 
