@@ -20,9 +20,7 @@ import torch
 
 from dsv4serve.config import ConfigError
 
-RING_SLOTS = (
-    16  # a step's slot-table writes and metadata stage a few copies; the host runs a step or two ahead
-)
+RING_SLOTS = 16  # a step's table writes and metadata stage a few copies; the host runs a step ahead
 RING_BYTES = 64 << 10  # a decode step's table writes and sampling rows at 256 requests stay well below
 
 
@@ -35,6 +33,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) 
     inference mode (an inference tensor, which torch lets only inference mode update in place; on the
     H200's torch 2.11 even one made under `inference_mode(False)` was) and be written outside it (the
     slot tables' copies), or the other way round."""
+    if torch.is_inference_mode_enabled():  # a step's launch: already inside (no second context per copy)
+        dst.copy_(src, non_blocking=non_blocking)
+        return
     with torch.inference_mode():
         dst.copy_(src, non_blocking=non_blocking)
 
@@ -51,8 +52,8 @@ class _PinnedRing:
         self.used = [False] * RING_SLOTS
         self.next = 0
 
-    def send(self, src: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
-        """src (host) copied into dst, or into a new device tensor, queued on the current stream."""
+    def send(self, src: torch.Tensor) -> torch.Tensor:
+        """src (host) copied into a new device tensor, queued on the current stream."""
         nbytes = src.numel() * src.element_size()
         with self.lock:
             i, self.next = self.next, (self.next + 1) % RING_SLOTS
@@ -62,7 +63,7 @@ class _PinnedRing:
             host = pinned(tuple(src.shape), src.dtype) if fresh else self.slots[i][:nbytes].view(src.dtype)
             host = host.view(src.shape)
             copy_into(host, src)
-            out = _queue(host, dst, self.device)
+            out = host.to(self.device, non_blocking=True)
             if not fresh:
                 self.events[i].record(torch.cuda.current_stream(self.device))  # the stream the copy went to
                 self.used[i] = True
@@ -104,12 +105,6 @@ class PinnedStages:
             done.record(torch.cuda.current_stream(self.dst.device))  # the stream the copy went to
 
 
-def _queue(host: torch.Tensor, dst: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    if dst is None:
-        return host.to(device, non_blocking=True)
-    return dst.copy_(host, non_blocking=True)
-
-
 _RINGS: dict[torch.device, _PinnedRing] = {}
 _RINGS_LOCK = threading.Lock()
 
@@ -128,16 +123,7 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    return _ring(device).send(t.contiguous(), None)
-
-
-def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Host tensor src into device tensor dst (same shape and dtype), queued without waiting."""
-    assert dst.shape == src.shape and dst.dtype == src.dtype, (dst.shape, src.shape, dst.dtype, src.dtype)
-    if dst.device.type != "cuda":
-        dst.copy_(src)
-    else:
-        _ring(dst.device).send(src.contiguous(), dst)
+    return _ring(device).send(t.contiguous())
 
 
 class HostBuffers:

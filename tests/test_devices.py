@@ -13,20 +13,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_ring_copies_behind_slow_work_keep_their_values() -> None:
     g = torch.Generator().manual_seed(0)
-    dst = torch.zeros(3 * devices.RING_SLOTS, 100, dtype=torch.int64, device="cuda")
-    expected = torch.randint(0, 1 << 40, dst.shape, generator=g)
+    expected = torch.randint(0, 1 << 40, (3 * devices.RING_SLOTS, 100), generator=g)
     torch.cuda._sleep(200_000_000)  # the stream is busy for ~0.1 s: every copy below queues behind it
     outs = []
-    for i in range(dst.shape[0]):  # three laps of the ring: buffers are reused while copies still wait
-        if i % 2:
-            devices.copy_to_device(dst[i], expected[i])
-        else:
-            outs.append((i, devices.to_device(expected[i], "cuda")))
+    for i in range(expected.shape[0]):  # three laps of the ring: buffers are reused while copies still wait
+        outs.append((i, devices.to_device(expected[i], "cuda")))
     torch.cuda.synchronize()
     for i, out in outs:
         assert torch.equal(out.cpu(), expected[i])
-    odd = torch.arange(1, dst.shape[0], 2)
-    assert torch.equal(dst.cpu()[odd], expected[odd])
 
 
 def test_pinned_stages_keep_the_values_of_copies_queued_behind_slow_work() -> None:
