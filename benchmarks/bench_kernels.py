@@ -23,7 +23,7 @@ import torch
 import triton
 
 from dsv4serve import mhc, mhc_triton
-from dsv4serve.attention import sparse_triton
+from dsv4serve.attention import norm_rope_triton, sparse_triton
 from dsv4serve.moe import experts_triton
 from tests.kernel_cases import kernel_model, make_case
 from tools.kernel_shapes import FLASH
@@ -98,15 +98,47 @@ def moe_sweep() -> dict[str, float]:
     return out
 
 
-def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> dict[str, float]:
-    """Median ms of one ratio-4 attention call per tile config of `which` (CONFIG, SPLIT_CONFIG);
-    `topk` > 0 attends to that many indexer picks per token instead of every visible entry."""
+def q_norm_rope_timing(tokens: int = 8192) -> dict[str, float]:
+    """One prefill's per-head q norm + rope (Flash: 64 heads x 512): ms and GB/s read + written."""
+    cfg = kernel_model(**{**FLASH, "compress_ratios": [0, 4, 128], "max_position_embeddings": 16384})
+    case = make_case(0, [(0, 1024)] * (tokens // 1024), page_size=64, dtype="bfloat16", cfg=cfg)
+    q = torch.randn(tokens, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    ms = timed(lambda: norm_rope_triton.q_norm_rope(q, case.fused, False, 1e-6))
+    return {"ms": ms, "gb_s": round(2 * q.numel() * q.element_size() / ms / 1e6, 1)}
+
+
+def gate_up_timing(tokens: int = 8192) -> dict[str, float]:
+    """The prefill experts (torch._grouped_mm) with gate and up as one GEMM over a stacked [W1; W3]
+    weight, and as two GEMMs (the same weights apart)."""
+    experts, hidden, inter, k = 256, 4096, 2048, 6
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    ids = torch.rand(tokens, experts, device="cuda").argsort(-1)[:, :k]
+    weights = torch.rand(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w1, w3 = w13[:, :inter], w13[:, inter:]
+    out = {"one_gemm": timed(lambda: experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0))}
+    one = experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0)
+    w1, w3 = w1.clone(), w3.clone()
+    out["two_gemms"] = timed(lambda: experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0))
+    two = experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0)
+    out["max_abs_diff"] = float((one.float() - two.float()).abs().max())
+    return out
+
+
+def attention_sweep(
+    steps: list[tuple[int, int]], which: str, topk: int = 0, ratio: int = 4
+) -> dict[str, float]:
+    """Median ms of one attention call (ratio 4: the window and every visible entry, 0: the window
+    only) per tile config of `which` (CONFIG, SPLIT_CONFIG); `topk` > 0 attends to that many indexer
+    picks per token instead of every visible entry."""
     cfg = kernel_model(**{**FLASH, "compress_ratios": [0, 4, 128], "max_position_embeddings": 16384})
     case = make_case(0, steps, page_size=64, dtype="bfloat16", cfg=cfg)
     T, H, D = case.batch.num_tokens, cfg.num_heads, cfg.head_dim
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
     sinks = torch.randn(H, device="cuda")
     swa, cmp = case.pools.swa[1].view(-1, D), case.pools.c4[1].view(-1, D)
+    cmp_ = cmp if ratio else None
     idx = None
     if topk:
         visible = (case.batch.positions + 1) // 4
@@ -120,16 +152,15 @@ def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> 
     if which == "SPLIT_CONFIG":
         configs = [(16, 32, 8, 2, 32), (16, 32, 4, 2, 64), (32, 32, 8, 2, 32), (64, 32, 8, 2, 32)]
         configs += [(16, 64, 8, 2, 64), (16, 32, 4, 3, 32)]
-    else:
-        configs = [(16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (16, 32, 4, 3)]
-        configs += [(64, 32, 16, 2), (64, 64, 16, 2), (64, 32, 16, 3), (64, 16, 8, 3)]
+    else:  # (block_h, block_n, warps, stages)
+        configs = [(64, 64, 8, 2), (64, 16, 8, 3), (64, 32, 8, 1), (64, 16, 8, 2), (16, 64, 4, 2)]
     out: dict[str, float] = {}
     for c in [None, *configs]:
         setattr(sparse_triton, which, current if c is None else sparse_triton.AttentionConfig(*c))
         name = "current" if c is None else "x".join(map(str, c))
         try:
             out[name] = clock(
-                lambda: sparse_triton.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
+                lambda: sparse_triton.sparse_attention(q, swa, cmp_, idx, case.fused, sinks, D**-0.5, ratio)
             )
         except Exception as exc:  # a tile that does not fit (shared memory) is reported, not fatal
             out[name] = float("nan")
@@ -138,7 +169,7 @@ def attention_sweep(steps: list[tuple[int, int]], which: str, topk: int = 0) -> 
     if which == "SPLIT_CONFIG":  # the same step without splitting
         tokens, sparse_triton.SPLIT_TOKENS = sparse_triton.SPLIT_TOKENS, 0
         out["no_split"] = clock(
-            lambda: sparse_triton.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
+            lambda: sparse_triton.sparse_attention(q, swa, cmp_, idx, case.fused, sinks, D**-0.5, ratio)
         )
         sparse_triton.SPLIT_TOKENS = tokens
     return out
@@ -254,6 +285,9 @@ def main() -> None:
         report = {
             "gpu": torch.cuda.get_device_name(),
             "attention_prefill_8x1024": attention_sweep([(0, 1024)] * 8, "PREFILL_CONFIG"),
+            "attention_prefill_8x1024_window": attention_sweep([(0, 1024)] * 8, "PREFILL_CONFIG", ratio=0),
+            "q_norm_rope_8x1024": q_norm_rope_timing(),
+            "experts_gate_up_8x1024": gate_up_timing(),
             "mhc_prefill_8x1024": mhc_sweep(),
         }
         print(json.dumps(report))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.moe.experts import routed_experts_reference, swiglu
+from dsv4serve.moe.experts import gate_up_view, routed_experts_reference, swiglu
 from dsv4serve.moe.experts_triton import align, align_torch, grouped_mm_experts, routed_experts
 from dsv4serve.moe.routing import gating_top_k
 from dsv4serve.quant import quantize_int8
@@ -127,16 +127,21 @@ def test_bf16_prefill_sized_experts_close_to_reference() -> None:
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 @pytest.mark.parametrize("with_shared", [False, True])
-def test_grouped_mm_experts_equal_the_torch_formulation(with_shared: bool) -> None:
+@pytest.mark.parametrize("stacked", [False, True])
+def test_grouped_mm_experts_equal_the_torch_formulation(with_shared: bool, stacked: bool) -> None:
     """The prefill path's fused SwiGLU and weighted un-permute (and the shared expert's output added in
     the same kernel) against the same math as separate torch ops over the same GEMMs (bf16), and close
-    to the fp32 reference."""
+    to the fp32 reference; gate and up as two GEMMs, or as one over a stacked [W1; W3] weight."""
     x, weights, ids, w1, w2, w3 = _inputs(300, 8, 3, 21)
     gen = torch.Generator().manual_seed(22)
     shared = tuple(
         on_device(torch.randn(w.shape[1:], generator=gen) / w.shape[-1] ** 0.5) for w in (w1, w2, w3)
     )
     b = [t.bfloat16() for t in (x, w1, w2, w3)]
+    if stacked:
+        w13 = torch.cat([b[1], b[3]], dim=1)
+        b[1], b[3] = w13[:, : w1.shape[1]], w13[:, w1.shape[1] :]
+    assert (gate_up_view(b[1], b[3]) is not None) == stacked
     bs = tuple(t.bfloat16() for t in shared) if with_shared else None
     got = grouped_mm_experts(b[0], weights, ids, b[1], b[2], b[3], 0.8, bs)
     order = torch.sort(ids.reshape(-1), stable=True).indices
@@ -155,3 +160,13 @@ def test_grouped_mm_experts_equal_the_torch_formulation(with_shared: bool) -> No
     assert float((got != want).float().mean()) < 0.01  # the same rounding: nearly every value bitwise
     ref = routed_experts_reference(x, weights, ids, w1, w2, w3, 0.8, shared if with_shared else None)
     assert float((got.float() - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_gate_up_view_only_for_w3_right_after_w1() -> None:
+    w13 = torch.randn(4, 10, 6)
+    w1, w3 = w13[:, :5], w13[:, 5:]
+    view = gate_up_view(w1, w3)
+    assert view is not None and torch.equal(view, w13)
+    assert gate_up_view(w3, w1) is None  # w1 after w3
+    assert gate_up_view(w1, w3.clone()) is None  # apart
+    assert gate_up_view(w13[:, :4], w13[:, 5:9]) is None  # a gap between them

@@ -7,7 +7,7 @@ import torch
 
 from dsv4serve.attention import core, reference
 from dsv4serve.attention import norm_rope_triton as kt
-from tests.kernel_cases import make_case, on_device
+from tests.kernel_cases import kernel_model, make_case, on_device
 
 STEPS = [(0, 7), (5, 1), (13, 3), (30, 1)]
 
@@ -25,10 +25,20 @@ def test_rms_norm_matches_reference(dtype: str) -> None:
         )
 
 
+# (heads, head_dim, rope dim): one program per token; a rope half and a head dim that are not powers of
+# two; two programs per token, the second's rows partly masked
+SHAPES = [(4, 64, 16), (6, 40, 12), (6, 1024, 64)]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("compress", [False, True])
-def test_q_norm_rope_and_inverse_rope_match_reference(dtype: str, compress: bool) -> None:
-    case = make_case(1, STEPS, dtype=dtype)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_q_norm_rope_and_inverse_rope_match_reference(
+    dtype: str, compress: bool, shape: tuple[int, int, int]
+) -> None:
+    heads, head_dim, rope_dim = shape
+    cfg = kernel_model(num_attention_heads=heads, head_dim=head_dim, qk_rope_head_dim=rope_dim)
+    case = make_case(1, STEPS, dtype=dtype, cfg=cfg)
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
     q = on_device(torch.randn(T, H, D, generator=torch.Generator().manual_seed(2)).to(getattr(torch, dtype)))
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 2e-2, "rtol": 2e-2}

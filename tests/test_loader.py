@@ -14,6 +14,7 @@ from dsv4serve.config import ModelConfig
 from dsv4serve.models.loader import CheckpointError, load_checkpoint, loaded_tensors
 from dsv4serve.models.tiny import make_tiny, write_safetensors
 from dsv4serve.models.weights import decode_e8m0, dequantize_fp8_block, storage_dtype
+from dsv4serve.moe.experts import gate_up_view
 
 FP32_NAMES = (
     "hc_head_fn",
@@ -63,6 +64,9 @@ def test_loads_official_names_with_stacked_experts(tiny: Path, model: ModelConfi
         for proj in ("w1", "w2", "w3"):
             expected = tensors[f"layers.3.ffn.experts.{e}.{proj}.weight"].to(torch.bfloat16)
             assert torch.equal(w[f"layers.3.ffn.experts.{proj}"][e], expected)
+    both = gate_up_view(w["layers.3.ffn.experts.w1"], w["layers.3.ffn.experts.w3"])
+    assert both is not None  # gate and up stacked as one (E, 2I, H) buffer: one prefill GEMM
+    assert torch.equal(both[5, 32:], tensors["layers.3.ffn.experts.5.w3.weight"].to(torch.bfloat16))
     assert w["layers.1.attn.wq_a.weight"].dtype == torch.bfloat16
     assert torch.equal(w["embed.weight"], tensors["embed.weight"].to(torch.bfloat16))
     for name in FP32_NAMES:

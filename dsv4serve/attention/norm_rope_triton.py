@@ -74,50 +74,44 @@ def _norm_rope_kernel(
     sign,
     NORM: tl.constexpr,
     STORE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One (token, head) row of D channels: optional norm, then rope on the trailing 2*HALF channels.
+    """BLOCK_R (token, head) rows of D channels: optional norm, then rope on the trailing 2*HALF
+    channels (interleaved pairs, read as one contiguous slice and split in registers).
 
     STORE: the row goes to the pool slot table[row[t], pos[t]] (stride_ot is the pool's row stride).
     """
-    pid = tl.program_id(0)
-    t = (pid // R).to(tl.int64)
-    r = (pid % R).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
     DTYPE = x_ptr.dtype.element_ty
-    src = x_ptr + t * stride_xt + r * stride_xr
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
-    scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = _normed(x, w_ptr, d, dmask, scale, NORM, DTYPE)
+    src = x_ptr + t * stride_xt + r.to(tl.int64)[:, None] * stride_xr
+    d = tl.arange(0, BLOCK_D)[None, :]
+    x = tl.load(src + d, mask=rmask[:, None] & (d < D), other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, axis=1)[:, None]
+    scale = ss  # unused without a norm (no rsqrt of the masked rows' zeros)
+    if NORM != 0:
+        scale = tl.rsqrt(ss / D + eps)
+    y = _normed(x, w_ptr, d, d < D, scale, NORM, DTYPE)
     if STORE:
         slot = tl.load(table_ptr + tl.load(row_ptr + t).to(tl.int64) * table_stride + tl.load(pos_ptr + t))
-        dst = out_ptr + slot.to(tl.int64) * stride_ot
+        dst = out_ptr + slot.to(tl.int64) * stride_ot + r.to(tl.int64)[:, None] * 0
     else:
-        dst = out_ptr + t * stride_ot + r * stride_or
-    tl.store(dst + d, y.to(out_ptr.dtype.element_ty), mask=d < D - 2 * HALF)
+        dst = out_ptr + t * stride_ot + r.to(tl.int64)[:, None] * stride_or
+    tl.store(dst + d, y.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (d < D - 2 * HALF))
+    j = D - 2 * HALF + tl.arange(0, 2 * BLOCK_HALF)[None, :]  # the rope slice, pairs (even, odd)
+    jmask = rmask[:, None] & (j < D)
+    xr = _normed(tl.load(src + j, mask=jmask, other=0.0).to(tl.float32), w_ptr, j, j < D, scale, NORM, DTYPE)
+    xe, xo = tl.split(tl.reshape(xr, (BLOCK_R, BLOCK_HALF, 2)))
     i = tl.arange(0, BLOCK_HALF)
-    imask = i < HALF
-    even = D - 2 * HALF + 2 * i
-    xe = _normed(
-        tl.load(src + even, mask=imask, other=0.0).to(tl.float32), w_ptr, even, imask, scale, NORM, DTYPE
-    )
-    xo = _normed(
-        tl.load(src + even + 1, mask=imask, other=0.0).to(tl.float32),
-        w_ptr,
-        even + 1,
-        imask,
-        scale,
-        NORM,
-        DTYPE,
-    )
-    c = tl.load(cos_ptr + t * stride_cos + i, mask=imask, other=0.0)
-    s = tl.load(sin_ptr + t * stride_cos + i, mask=imask, other=0.0) * sign
+    c = tl.load(cos_ptr + t * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_cos + i, mask=i < HALF, other=0.0)[None, :] * sign
     re = (xe * c - xo * s).to(DTYPE)  # the reference rounds the rotated pairs to x's dtype
     ro = (xo * c + xe * s).to(DTYPE)
-    tl.store(dst + even, re.to(out_ptr.dtype.element_ty), mask=imask)
-    tl.store(dst + even + 1, ro.to(out_ptr.dtype.element_ty), mask=imask)
+    rotated = tl.reshape(tl.join(re, ro), (BLOCK_R, 2 * BLOCK_HALF))
+    tl.store(dst + j, rotated.to(out_ptr.dtype.element_ty), mask=jmask)
 
 
 def _launch(
@@ -143,8 +137,10 @@ def _launch(
     else:
         assert pool.stride(-1) == 1 and pool.shape[-1] == D and rows.shape[1] == 1
         out, strides = pool, (pool.stride(0), 0)
+    block_d, R = pow2(D), rows.shape[1]
+    block_r = min(pow2(R), max(1, 4096 // block_d))  # ~4k channels per program
     if T:
-        _norm_rope_kernel[(T * rows.shape[1],)](
+        _norm_rope_kernel[(T, triton.cdiv(R, block_r))](
             rows,
             weight if weight is not None else rows,
             cos,
@@ -153,7 +149,7 @@ def _launch(
             table,
             meta.token_row,
             meta.positions,
-            rows.shape[1],
+            R,
             D,
             half,
             rows.stride(0),
@@ -165,9 +161,10 @@ def _launch(
             sign,
             NORM=norm,
             STORE=pool is not None,
-            BLOCK_D=pow2(D),
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
             BLOCK_HALF=pow2(half),
-            num_warps=4 if D >= 512 else 1,
+            num_warps=max(1, min(4, block_r * block_d // 1024)),
         )
     return out.view(x.shape) if pool is None else pool
 

@@ -374,7 +374,7 @@ def _place(out: dict[str, Weight], name: str, value: Weight, model: ModelConfig,
         return
     stacked, expert = slot
     if stacked not in out:
-        out[stacked] = _empty_stack(value, model.n_routed_experts, device)
+        out |= _empty_stacks(stacked, value, model.n_routed_experts, device)
     target = out[stacked]
     if isinstance(value, Int8Weight) and isinstance(target, Int8Weight):
         target.qweight[expert].copy_(value.qweight)
@@ -389,13 +389,22 @@ def _int8_to(w: Int8Weight, device: str) -> Int8Weight:
     return Int8Weight(w.qweight.to(device), w.scale.to(device))
 
 
-def _empty_stack(value: Weight, num: int, device: str) -> Weight:
+def _empty_stacks(stacked: str, value: Weight, num: int, device: str) -> dict[str, Weight]:
+    """The stack `stacked` for experts like `value`; float w1 and w3 (gate, up) as the two halves of
+    one (E, 2I, H) buffer, so that the prefill experts run them as one GEMM (`gate_up_view`)."""
     if isinstance(value, torch.Tensor):
-        return torch.empty((num, *value.shape), dtype=value.dtype, device=device)  # (E, out, in)
-    return Int8Weight(
-        torch.empty((num, *value.qweight.shape), dtype=torch.int8, device=device),  # (E, out, in)
-        torch.empty((num, *value.scale.shape), dtype=torch.float32, device=device),  # (E, out)
-    )
+        stem, _, leaf = stacked.rpartition(".")
+        if leaf not in ("w1", "w3"):
+            return {stacked: torch.empty((num, *value.shape), dtype=value.dtype, device=device)}
+        inter = value.shape[0]
+        both = torch.empty((num, 2 * inter, *value.shape[1:]), dtype=value.dtype, device=device)
+        return {f"{stem}.w1": both[:, :inter], f"{stem}.w3": both[:, inter:]}
+    return {
+        stacked: Int8Weight(
+            torch.empty((num, *value.qweight.shape), dtype=torch.int8, device=device),  # (E, out, in)
+            torch.empty((num, *value.scale.shape), dtype=torch.float32, device=device),  # (E, out)
+        )
+    }
 
 
 def _check_tid2eid(out: dict[str, Weight], model: ModelConfig) -> None:

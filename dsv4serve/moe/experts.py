@@ -54,3 +54,15 @@ def routed_experts_reference(
         y = swiglu(x[token], w1[e], w2[e], w3[e], limit) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+def gate_up_view(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """w1 and w3 (E, I, H) as one (E, 2I, H) tensor, without a copy, when each expert's w3 rows follow
+    its w1 rows in memory (transformers' stacked `gate_up_proj`, the loader's stacks); else None."""
+    E, inter, hidden = w1.shape
+    stride = (2 * inter * hidden, hidden, 1)
+    if w3.shape != w1.shape or w1.stride() != stride or w3.stride() != stride or w1.dtype != w3.dtype:
+        return None
+    if w3.data_ptr() != w1.data_ptr() + inter * hidden * w1.element_size():
+        return None
+    return w1.as_strided((E, 2 * inter, hidden), stride)

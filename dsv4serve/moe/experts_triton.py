@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4serve.moe.experts import swiglu
+from dsv4serve.moe.experts import gate_up_view, swiglu
 from dsv4serve.quant import Int8Weight, Weight
 from dsv4serve.quant_triton import linear, quantize_rows
 from dsv4serve.triton_utils import pow2
@@ -324,8 +324,13 @@ def grouped_mm_experts(
     )
     offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) each expert's last row + 1
     rows = x.index_select(0, order // k)  # (P, hidden)
-    gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs)  # (P, I)
-    up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offs)
+    w13 = gate_up_view(w1, w3)
+    if w13 is not None:  # one GEMM of N = 2I: the rows read once
+        both = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # (P, 2I)
+        gate, up = both[:, : w1.shape[1]], both[:, w1.shape[1] :]
+    else:
+        gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs)  # (P, I)
+        up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offs)
     y = torch._grouped_mm(
         _swiglu_rows(gate, up, limit), w2.transpose(1, 2), offs=offs
     )  # (P, hidden), by expert
@@ -345,26 +350,26 @@ def grouped_mm_experts(
 
 
 def _swiglu_rows(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """The clamped SwiGLU of (rows, I) gate and up projections, in one kernel."""
-    assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
-    h = torch.empty_like(gate)
-    inter = gate.shape[1]
+    """The clamped SwiGLU of (rows, I) gate and up projections (rows of one stride), in one kernel."""
+    assert gate.shape == up.shape and gate.stride() == up.stride() and gate.stride(-1) == 1
+    rows, inter = gate.shape
+    h = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
     block = min(pow2(inter), 1024)
-    _swiglu_kernel[(gate.shape[0], triton.cdiv(inter, block))](
-        gate, up, h, inter, limit, BLOCK=block, num_warps=4
+    _swiglu_kernel[(rows, triton.cdiv(inter, block))](
+        gate, up, h, inter, gate.stride(0), limit, BLOCK=block, num_warps=4
     )
     return h
 
 
 @triton.jit
-def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, INTER, limit, BLOCK: tl.constexpr):
+def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, INTER, stride_in, limit, BLOCK: tl.constexpr):
     """h = silu(min(gate, limit)) * clamp(up, -limit, limit), each step rounded to the dtype as torch
     rounds the separate ops."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < INTER
-    g = tl.load(gate_ptr + r * INTER + c, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + r * INTER + c, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + r * stride_in + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r * stride_in + c, mask=mask, other=0.0).to(tl.float32)
     dtype = h_ptr.dtype.element_ty
     g = tl.minimum(g, limit).to(dtype).to(tl.float32)
     u = tl.minimum(tl.maximum(u, -limit), limit).to(dtype).to(tl.float32)
