@@ -78,9 +78,9 @@ def test_buffers_made_inside_inference_mode_serve_copies_outside_it() -> None:
     out = torch.tensor([[5.0], [-0.25]], dtype=torch.float64, device="cuda")
     pending = PendingStep.of((), out, None)  # outside inference mode, into the buffer made inside it
     assert pending.host is made_inside
-    dst = torch.zeros(4, dtype=torch.int64, device="cuda")
-    ring.send(torch.arange(4), dst)
+    first = ring.send(torch.arange(4))  # outside inference mode, into slots made inside it
     with torch.inference_mode():
-        ring.send(torch.arange(4) * 2, dst)
+        second = ring.send(torch.arange(4) * 2)
     torch.cuda.synchronize()
-    assert torch.equal(dst.cpu(), torch.arange(4) * 2) and torch.equal(pending.host, out.cpu())
+    assert torch.equal(first.cpu(), torch.arange(4)) and torch.equal(second.cpu(), torch.arange(4) * 2)
+    assert torch.equal(pending.host, out.cpu())
