@@ -17,6 +17,7 @@ from dsv4serve.models.registry import config_from_dict, config_from_json_file, s
 from dsv4serve.models.schema_loader import loaded_names
 from dsv4serve.models.tiny_glm import make_tiny_glm, tiny_glm_config
 from dsv4serve.models.weights import CheckpointError
+from dsv4serve.moe.experts import gate_up_view
 
 OFFICIAL = (
     Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "configs" / "glm_4_7_flash.config.json"
@@ -70,6 +71,10 @@ def test_loader_skips_mtp_stacks_experts_and_reads_shards(tmp_path: Path) -> Non
     b = spec.load(three, cfg, torch.float32, "cpu", "float")
     assert {n: tuple(t.shape) for n, t in a.items()} == loaded_names(spec.schema(cfg))
     assert a["layers.1.mlp.experts.w1"].shape == (8, 32, 64)
+    both = gate_up_view(a["layers.1.mlp.experts.w1"], a["layers.1.mlp.experts.w3"])  # type: ignore[arg-type]
+    assert both is not None  # gate and up stacked as one buffer: one prefill GEMM
+    up = load_file(one / "model.safetensors")["model.layers.1.mlp.experts.5.up_proj.weight"]
+    assert torch.equal(both[5, 32:], up.float())
     assert all(torch.equal(a[n], b[n]) for n in a)  # type: ignore[arg-type]
     bf16 = spec.load(one, cfg, torch.bfloat16, "cpu", "float")
     assert bf16["layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32

@@ -5,7 +5,8 @@ for DeepSeek-V4 (`model.safetensors`, the shards of `model.safetensors.index.jso
 `*.safetensors`; pickles refused), names lose their `model.` prefix, tensors the model skips (an MTP
 block) are dropped, and missing, unexpected, mis-shaped or non-float tensors raise one
 `CheckpointError` naming them, before any data is read. Routed experts `P.experts.E.X.weight` are
-stacked per layer into `P.experts.{w1, w2, w3}` ([E, I, H] for gate / up, [E, H, I] for down).
+stacked per layer into `P.experts.{w1, w2, w3}` ([E, I, H] for gate / up, [E, H, I] for down); gate
+and up are the two halves of one [E, 2I, H] buffer.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def load_by_schema(
         )
     out: dict[str, Weight] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
+    gate_up: dict[str, torch.Tensor] = {}  # by experts prefix
     sizes = {name: shape[0] for name, shape in loaded_names(expected).items() if name not in expected}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in files}
@@ -69,7 +71,18 @@ def load_by_schema(
             experts.setdefault(key, {})[int(found[2])] = value
             if len(experts[key]) == sizes[key]:
                 parts = experts.pop(key)
-                out[key] = torch.stack([parts[e] for e in sorted(parts)]).to(device)  # (E, out, in)
+                stacked = torch.stack([parts[e] for e in sorted(parts)])  # (E, out, in)
+                if found[3] == "down":
+                    out[key] = stacked.to(device)
+                    continue
+                # gate and up: the two halves of one (E, 2I, H) buffer (one prefill GEMM, `gate_up_view`)
+                both = gate_up.get(found[1])
+                if both is None:
+                    shape = (stacked.shape[0], 2 * stacked.shape[1], *stacked.shape[2:])
+                    both = gate_up[found[1]] = torch.empty(shape, dtype=stacked.dtype, device=device)
+                half = stacked.shape[1]
+                view = both[:, :half] if found[3] == "gate" else both[:, half:]
+                out[key] = view.copy_(stacked)
     assert not experts, f"incomplete expert stacks: {sorted(experts)}"
     return out
 
