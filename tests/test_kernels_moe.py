@@ -170,3 +170,5 @@ def test_gate_up_view_only_for_w3_right_after_w1() -> None:
     assert gate_up_view(w3, w1) is None  # w1 after w3
     assert gate_up_view(w1, w3.clone()) is None  # apart
     assert gate_up_view(w13[:, :4], w13[:, 5:9]) is None  # a gap between them
+    other = torch.randn(4, 10, 6)
+    assert gate_up_view(w1, other[:, 5:]) is None  # the same strides, another buffer

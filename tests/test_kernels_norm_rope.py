@@ -26,11 +26,23 @@ def test_rms_norm_matches_reference(dtype: str) -> None:
 
 
 # (heads, head_dim, rope dim): one program per token; a rope half and a head dim that are not powers of
-# two; two programs per token, the second's rows partly masked
-SHAPES = [(4, 64, 16), (6, 40, 12), (6, 1024, 64)]
+# two; two programs per token, the second's rows partly masked; Flash's 64 x 512 (8 programs of 8 heads)
+SHAPES = [(4, 64, 16), (6, 40, 12), (6, 1024, 64), (64, 512, 64)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def _same(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """The kernel rounds where the reference does: bit for bit on the CPU in 16-bit dtypes; on a GPU
+    (another order of the fp32 sum of squares) all but a few values, and those by an ulp."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    elif got.device.type == "cpu":
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert float((got != ref).float().mean()) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("compress", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_q_norm_rope_and_inverse_rope_match_reference(
@@ -41,23 +53,23 @@ def test_q_norm_rope_and_inverse_rope_match_reference(
     case = make_case(1, STEPS, dtype=dtype, cfg=cfg)
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
     q = on_device(torch.randn(T, H, D, generator=torch.Generator().manual_seed(2)).to(getattr(torch, dtype)))
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 2e-2, "rtol": 2e-2}
-    ref = reference.q_norm_rope(q, case.ref, compress, 1e-6)
-    torch.testing.assert_close(kt.q_norm_rope(q, case.fused, compress, 1e-6).float(), ref.float(), **tol)
+    _same(kt.q_norm_rope(q, case.fused, compress, 1e-6), reference.q_norm_rope(q, case.ref, compress, 1e-6))
     for inverse in (False, True):
-        ref = reference.rope(q, case.ref, compress, inverse)
-        torch.testing.assert_close(kt.rope(q, case.fused, compress, inverse).float(), ref.float(), **tol)
+        _same(kt.rope(q, case.fused, compress, inverse), reference.rope(q, case.ref, compress, inverse))
 
 
 @pytest.mark.parametrize("state_mode", ["paged", "ring"])
-def test_kv_norm_rope_store_writes_the_same_slots(state_mode: str) -> None:
-    case = make_case(3, STEPS, state_mode=state_mode, page_size=8)
+@pytest.mark.parametrize(("dtype", "head_dim"), [("float32", 64), ("bfloat16", 64), ("bfloat16", 512)])
+def test_kv_norm_rope_store_writes_the_same_slots(state_mode: str, dtype: str, head_dim: int) -> None:
+    case = make_case(
+        3, STEPS, state_mode=state_mode, page_size=8, dtype=dtype, cfg=kernel_model(head_dim=head_dim)
+    )
     T, D = case.batch.num_tokens, case.cfg.head_dim
     gen = torch.Generator().manual_seed(4)
-    kv = on_device(torch.randn(T, D, generator=gen))
-    w = on_device(torch.randn(D, generator=gen))
+    kv = on_device(torch.randn(T, D, generator=gen).to(getattr(torch, dtype)))
+    w = on_device(torch.randn(D, generator=gen).to(kv.dtype))
     pool = case.pools.swa[0].view(-1, D)
     want = pool.clone()
     reference.kv_norm_rope_store(kv, w, want, case.ref, True, 1e-6)
     kt.kv_norm_rope_store(kv, w, pool, case.fused, True, 1e-6)
-    torch.testing.assert_close(pool, want, atol=1e-5, rtol=1e-5)
+    _same(pool, want)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import sys
 import types
@@ -307,9 +308,25 @@ def test_experts_of_one_layer_must_share_a_format(
     bad = {n: t for n, t in tensors.items() if not n.startswith(base + ".weight_")}
     bad[name] = q.float() * tensors[base + ".weight_scale"]
     with pytest.raises(
-        CheckpointError, match=r"experts mix W8A8_DYNAMIC and FLOAT: layers\.2\.ffn\.experts\.w3"
+        CheckpointError, match=r"experts mix W8A8_DYNAMIC and FLOAT: layers\.2\.ffn\.experts\.w1/w3"
     ):
         _load(variant(small, tmp_path, bad, description | {name: "FLOAT"}), model)
+
+
+def test_gate_and_up_experts_must_share_a_format(
+    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+) -> None:
+    """Every w3 float, every w1 int8: each projection is uniform, but gate and up load into one buffer."""
+    bad, floats = dict(tensors), {}
+    for name in [n for n in tensors if re.fullmatch(r"layers\.2\.ffn\.experts\.\d+\.w3\.weight", n)]:
+        base = name.removesuffix(".weight")
+        bad[name] = tensors[name].float() * tensors[base + ".weight_scale"]
+        for suffix in (".weight_scale", ".weight_offset"):
+            bad.pop(base + suffix, None)
+        floats[name] = "FLOAT"
+    assert floats
+    with pytest.raises(CheckpointError, match=r"experts mix .*layers\.2\.ffn\.experts\.w1/w3"):
+        _load(variant(small, tmp_path, bad, description | floats), model)
 
 
 def test_malformed_description_is_named(

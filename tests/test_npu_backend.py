@@ -189,13 +189,21 @@ def _moe_inputs(seed: int, tokens: int, experts: int = 6, top_k: int = 3, hidden
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40, 100])
-def test_float_routed_experts_match_the_reference_in_fp32(fake_npu: dict[str, int], tokens: int) -> None:
+@pytest.mark.parametrize("stacked", [False, True])
+def test_float_routed_experts_match_the_reference_in_fp32(
+    fake_npu: dict[str, int], tokens: int, stacked: bool
+) -> None:
+    """Gate and up as two grouped GEMMs, or as one over a stacked [W1; W3] (the loaders' layout)."""
     x, weights, ids, w1, w2, w3 = _moe_inputs(tokens, tokens)
+    if stacked:
+        w13 = torch.cat([w1, w3], dim=1)
+        w1, w3 = w13[:, : w1.shape[1]], w13[:, w1.shape[1] :]
     ref = REFERENCE.routed_experts(x, weights, ids, w1, w2, w3, 0.5)  # low limit: the clamp bites
     got = select_backend("npu").routed_experts(x, weights, ids, w1, w2, w3, 0.5)
     assert got.dtype == torch.float32 and got.shape == x.shape
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    assert fake_npu["npu_grouped_matmul"] == 3 and fake_npu["npu_moe_token_unpermute"] == 1
+    assert fake_npu["npu_grouped_matmul"] == (2 if stacked else 3)
+    assert fake_npu["npu_moe_token_unpermute"] == 1
 
 
 def test_routed_experts_with_unused_experts_and_int64_ids(fake_npu: dict[str, int]) -> None:

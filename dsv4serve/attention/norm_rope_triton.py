@@ -164,7 +164,7 @@ def _launch(
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             BLOCK_HALF=pow2(half),
-            num_warps=max(1, min(4, block_r * block_d // 1024)),
+            num_warps=4 if block_r * block_d >= 512 else 1,
         )
     return out.view(x.shape) if pool is None else pool
 

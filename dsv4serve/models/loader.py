@@ -28,7 +28,7 @@ one tensor at a time, experts unstacked (what `quantize` streams through).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -374,7 +374,7 @@ def _place(out: dict[str, Weight], name: str, value: Weight, model: ModelConfig,
         return
     stacked, expert = slot
     if stacked not in out:
-        out |= _empty_stacks(stacked, value, model.n_routed_experts, device)
+        out |= _empty_stacks(stacked, value, model.n_routed_experts, device, out)
     target = out[stacked]
     if isinstance(value, Int8Weight) and isinstance(target, Int8Weight):
         target.qweight[expert].copy_(value.qweight)
@@ -389,12 +389,15 @@ def _int8_to(w: Int8Weight, device: str) -> Int8Weight:
     return Int8Weight(w.qweight.to(device), w.scale.to(device))
 
 
-def _empty_stacks(stacked: str, value: Weight, num: int, device: str) -> dict[str, Weight]:
+def _empty_stacks(
+    stacked: str, value: Weight, num: int, device: str, made: Mapping[str, Weight]
+) -> dict[str, Weight]:
     """The stack `stacked` for experts like `value`; float w1 and w3 (gate, up) as the two halves of
-    one (E, 2I, H) buffer, so that the prefill experts run them as one GEMM (`gate_up_view`)."""
+    one (E, 2I, H) buffer, so that the prefill experts run them as one GEMM (`gate_up_view`), unless
+    the other one is made already (of another kind: int8)."""
     if isinstance(value, torch.Tensor):
         stem, _, leaf = stacked.rpartition(".")
-        if leaf not in ("w1", "w3"):
+        if leaf not in ("w1", "w3") or f"{stem}.w1" in made or f"{stem}.w3" in made:
             return {stacked: torch.empty((num, *value.shape), dtype=value.dtype, device=device)}
         inter = value.shape[0]
         both = torch.empty((num, 2 * inter, *value.shape[1:]), dtype=value.dtype, device=device)

@@ -244,11 +244,14 @@ def int8_companions(
 
 
 def check_uniform_experts(int8: Mapping[str, object], expected: Mapping[str, Shape]) -> None:
+    """Each layer's experts are all int8 or all float per projection, gate and up alike (they load into
+    one buffer)."""
     kinds: dict[str, set[bool]] = {}
     for name in expected:
         slot = expert_slot(name)
         if slot is not None:
-            kinds.setdefault(slot[0], set()).add(name in int8)
+            stem, _, leaf = slot[0].rpartition(".")
+            kinds.setdefault(f"{stem}.w1/w3" if leaf in ("w1", "w3") else slot[0], set()).add(name in int8)
     mixed = sorted(stacked for stacked, seen in kinds.items() if len(seen) > 1)
     if mixed:
         raise CheckpointError(f"experts mix {QUANT_W8A8_DYNAMIC} and {QUANT_FLOAT}: {listed(mixed)}")

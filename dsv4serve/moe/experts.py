@@ -65,4 +65,6 @@ def gate_up_view(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
         return None
     if w3.data_ptr() != w1.data_ptr() + inter * hidden * w1.element_size():
         return None
+    if w3.untyped_storage().data_ptr() != w1.untyped_storage().data_ptr():  # adjacent, but apart
+        return None
     return w1.as_strided((E, 2 * inter, hidden), stride)

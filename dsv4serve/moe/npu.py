@@ -7,9 +7,9 @@ NPU**; the tests check its plumbing against a fake `torch_npu` that implements t
 semantics in plain PyTorch.
 
 Dataflow (fixed shapes, no host syncs, so capturable in a graph): permute the T*k (token, expert)
-rows into expert order, three grouped GEMMs (gate, up, down) split along the rows by the per-expert
-counts, the clamped SwiGLU in torch between them (no documented fused op has DeepSeek-V4's
-clamp-then-SiLU form), and a weighted un-permute back to tokens.
+rows into expert order, grouped GEMMs (gate and up, as one when the weights are stacked [W1; W3];
+down) split along the rows by the per-expert counts, the clamped SwiGLU in torch between them (no
+documented fused op has DeepSeek-V4's clamp-then-SiLU form), and a weighted un-permute back to tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.moe.experts import swiglu
+from dsv4serve.moe.experts import gate_up_view, swiglu
 from dsv4serve.quant import Int8Weight, Weight
 from dsv4serve.quant_npu import npu_linear
 
@@ -68,8 +68,13 @@ def npu_routed_experts(
         expert_tokens_num_flag=True,
     )  # (T*k, hidden) rows in expert order; (T*k,) int32: entry t*k+j = row of (t, j); (E,) counts
     rows = _GroupedRows(npu, sorted_x, counts)
-    gate = rows.matmul(w1).clamp(max=limit)  # (T*k, I)
-    up = rows.matmul(w3).clamp(min=-limit, max=limit)  # (T*k, I)
+    w13 = gate_up_view(w1, w3) if isinstance(w1, torch.Tensor) and isinstance(w3, torch.Tensor) else None
+    if w13 is not None:  # one GEMM over the stacked [W1; W3] (the loaders' layout)
+        both = rows.matmul(w13)  # (T*k, 2I)
+        gate, up = both[:, : w1.shape[1]], both[:, w1.shape[1] :]
+    else:
+        gate, up = rows.matmul(w1), rows.matmul(w3)  # (T*k, I) each
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     hidden = _GroupedRows(npu, F.silu(gate) * up, counts)
     out = hidden.matmul(w2)  # (T*k, hidden)
     return npu.npu_moe_token_unpermute(out, gather_index, probs=weights.to(out.dtype))
