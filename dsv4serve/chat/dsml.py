@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 
 from dsv4serve.chat.deltas import (
@@ -33,11 +33,10 @@ from dsv4serve.chat.deltas import (
     Delta,
     ParsedOutput,
     Reasoning,
+    TagStream,
     ToolArguments,
     ToolCallStart,
     collect,
-    find_first,
-    held,
 )
 
 DSML = "｜DSML｜"
@@ -81,12 +80,11 @@ _HEADS = (_State.TAG, _State.INVOKE_HEAD, _State.PARAM_HEAD)
 
 
 @dataclass(eq=False, slots=True)
-class DSMLParser:
+class DSMLParser(TagStream):
     """Feed text deltas, get `Delta`s; `thinking` starts in the reasoning (the prompt ended in `<think>`)."""
 
     thinking: bool = False
     _state: _State = _State.CONTENT
-    _buf: str = ""
     _newlines: str = ""  # content newlines held until we know no tool block follows
     _closing: bool = False  # the TAG being read is a closing one
     _text_state: _State = _State.CONTENT  # where a stray tag returns to
@@ -95,16 +93,9 @@ class DSMLParser:
     _num_calls: int = 0
     _num_params: int = 0
     _string_value: bool = False
-    _out: list[Delta] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._state = _State.REASONING if self.thinking else _State.CONTENT
-
-    def feed(self, text: str) -> list[Delta]:
-        self._buf += text
-        while self._step():
-            pass
-        return self._take()
 
     def finish(self) -> list[Delta]:
         """The end of the output: held text goes out; an unfinished tag is dropped."""
@@ -118,25 +109,8 @@ class DSMLParser:
         self._newlines = ""
         return self._take()
 
-    def _take(self) -> list[Delta]:
-        out, self._out = self._out, []
-        return out
-
-    def _step(self) -> bool:
-        """Consume the buffer up to the state's next terminator; False when it needs more text."""
-        tags = _TERMINATORS[self._state]
-        found = find_first(self._buf, tags)
-        if found is None:
-            if self._state not in _HEADS:  # a head is read whole, at its `>`
-                keep = held(self._buf, tags)
-                self._body(self._buf[: len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep :]
-            return False
-        start, tag = found
-        self._body(self._buf[:start])
-        self._buf = self._buf[start + len(tag) :]
-        self._transition(tag)
-        return True
+    def _tags(self) -> tuple[tuple[str, ...], bool]:
+        return _TERMINATORS[self._state], self._state not in _HEADS  # a head is read whole, at its `>`
 
     def _body(self, text: str) -> None:
         match self._state:

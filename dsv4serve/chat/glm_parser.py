@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-from dsv4serve.chat.deltas import Content, Delta, Reasoning, ToolArguments, ToolCallStart, find_first, held
+from dsv4serve.chat.deltas import Content, Delta, Reasoning, TagStream, ToolArguments, ToolCallStart
 from dsv4serve.chat.messages import ToolSpec
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -65,29 +65,21 @@ def string_keys(tools: tuple[ToolSpec, ...]) -> dict[str, frozenset[str]]:
 
 
 @dataclass(eq=False, slots=True)
-class GlmParser:
+class GlmParser(TagStream):
     """Feed text deltas, get `Delta`s; `thinking` starts in the reasoning (the prompt ended in `<think>`).
     `strings`: per tool, the argument keys kept as strings (see `string_keys`)."""
 
     thinking: bool = False
     strings: Mapping[str, frozenset[str]] = field(default_factory=dict)
     _state: _State = _State.CONTENT
-    _buf: str = ""
     _call: list[str] = field(default_factory=list)  # the open call's text so far
     _space: str = ""  # content whitespace held until we know whether a tool call follows
     _call_space: str = ""  # the whitespace before the open call (content again if the call is not one)
     _after_call: bool = False  # content so far since the last call is whitespace
     _num_calls: int = 0
-    _out: list[Delta] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._state = _State.REASONING if self.thinking else _State.CONTENT
-
-    def feed(self, text: str) -> list[Delta]:
-        self._buf += text
-        while self._step():
-            pass
-        return self._take()
 
     def finish(self) -> list[Delta]:
         """The end of the output: held text goes out; an open call goes out as content."""
@@ -102,28 +94,12 @@ class GlmParser:
         self._space, self._call = "", []
         return self._take()
 
-    def _take(self) -> list[Delta]:
-        out, self._out = self._out, []
-        return out
-
     def _emit(self, delta: Delta) -> None:
         if not isinstance(delta, Reasoning | Content) or delta.text:
             self._out.append(delta)
 
-    def _step(self) -> bool:
-        """Consume the buffer up to the state's next tag; False when it needs more text."""
-        tags = _TERMINATORS[self._state]
-        found = find_first(self._buf, tags)
-        if found is None:
-            keep = held(self._buf, tags)
-            self._body(self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep :]
-            return False
-        start, tag = found
-        self._body(self._buf[:start])
-        self._buf = self._buf[start + len(tag) :]
-        self._transition(tag)
-        return True
+    def _tags(self) -> tuple[tuple[str, ...], bool]:
+        return _TERMINATORS[self._state], True
 
     def _body(self, text: str) -> None:
         if self._state is _State.REASONING:
