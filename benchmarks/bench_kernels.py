@@ -60,13 +60,21 @@ def timed_graph(fn: Any, calls: int = 20) -> float:
     return round(timed(captured(fn, calls).replay) / calls, 4)
 
 
-def moe_sweep() -> dict[str, float]:
-    tokens, experts, hidden, inter, k = 8192, 256, 4096, 2048, 6
+def moe_inputs(tokens: int = 8192) -> tuple[torch.Tensor, ...]:
+    """An 8 x 1024 prefill's routed experts at Flash's dimensions: x, weights, ids (random distinct
+    experts), w13 (E, 2I, H: w1 and w3 its halves), w2; bf16 on the GPU."""
+    experts, hidden, inter, k = 256, 4096, 2048, 6
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
     ids = torch.rand(tokens, experts, device="cuda").argsort(-1)[:, :k]
     weights = torch.rand(tokens, k, device="cuda", dtype=torch.bfloat16)
+    return x, weights, ids, w13, w2
+
+
+def moe_sweep() -> dict[str, float]:
+    x, weights, ids, w13, w2 = moe_inputs()
+    inter = w2.shape[-1]
     current = experts_triton._tiles
     out: dict[str, float] = {}
     tiles = [(64, 128, 64, 8), (128, 64, 64, 8), (128, 128, 64, 8), (64, 64, 64, 4), (128, 128, 32, 8)]
@@ -107,22 +115,22 @@ def q_norm_rope_timing(tokens: int = 8192) -> dict[str, float]:
     return {"ms": ms, "gb_s": round(2 * q.numel() * q.element_size() / ms / 1e6, 1)}
 
 
-def gate_up_timing(tokens: int = 8192) -> dict[str, float]:
+def gate_up_timing() -> dict[str, float]:
     """The prefill experts (torch._grouped_mm) with gate and up as one GEMM over a stacked [W1; W3]
     weight, and as two GEMMs (the same weights apart)."""
-    experts, hidden, inter, k = 256, 4096, 2048, 6
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
-    ids = torch.rand(tokens, experts, device="cuda").argsort(-1)[:, :k]
-    weights = torch.rand(tokens, k, device="cuda", dtype=torch.bfloat16)
-    w1, w3 = w13[:, :inter], w13[:, inter:]
-    out = {"one_gemm": timed(lambda: experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0))}
-    one = experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0)
-    w1, w3 = w1.clone(), w3.clone()
-    out["two_gemms"] = timed(lambda: experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0))
-    two = experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0)
-    out["max_abs_diff"] = float((one.float() - two.float()).abs().max())
+    x, weights, ids, w13, w2 = moe_inputs()
+    inter = w2.shape[-1]
+    out: dict[str, float] = {}
+    results = []
+    for name, (w1, w3) in (
+        ("one_gemm", (w13[:, :inter], w13[:, inter:])),
+        ("two_gemms", (w13[:, :inter].clone(), w13[:, inter:].clone())),
+    ):
+        out[name] = timed(
+            lambda w1=w1, w3=w3: experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0)
+        )
+        results.append(experts_triton.grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0).float())
+    out["max_abs_diff"] = float((results[0] - results[1]).abs().max())
     return out
 
 
