@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,17 @@ def distinct_experts(runner: ModelRunner, core: CoreDriver, rids: list[str]) -> 
     return counts
 
 
+def random_prompts(rng: random.Random, vocab: int, tag: str, batch: int, length: int) -> dict[str, list[int]]:
+    """`batch` prompts of `length` random token ids (no BOS / EOS), by request id `{tag}-{i}`."""
+    return {f"{tag}-{i}": [rng.randrange(2, vocab) for _ in range(length)] for i in range(batch)}
+
+
+def prefill_and_free(core: CoreDriver, prompts: dict[str, list[int]], budget: int) -> None:
+    """One prefill step of the prompts, then their memory back (the same step again on the next call)."""
+    core.prefill(prompts, budget)
+    core.free(list(prompts))
+
+
 class HostClock:
     """Host time of each call of the named methods while the clock is entered (patched, then restored)."""
 
@@ -300,6 +312,10 @@ class HostClock:
 
     def medians_ms(self, skip: int = 0) -> dict[str, float]:
         return {n: round(statistics.median(t[skip:] or t) * 1e3, 3) for n, t in self.times.items() if t}
+
+
+# a decode step's launch split in its two host parts: the graph inputs' upload and the graph launch
+LAUNCH_PARTS = {"upload": (_Graph, "upload"), "graph_launch": (torch.cuda.CUDAGraph, "replay")}
 
 
 def replay_ms(runner: ModelRunner) -> float | None:
@@ -455,22 +471,18 @@ def main() -> None:
     rng = random.Random(0)
     REPORT["prefill"] = {}
     profiles: list[tuple[str, str]] = []  # ("prefill", "8x1024") / ("decode", "b1_ctx1024"), run at the end
+    largest = max((math.prod(int(v) for v in p.split("x")) for p in args.prefills), default=0)
     for spec in args.prefills:
         b, n = (int(v) for v in spec.split("x"))
         times = []
         for rep in range(3):
-            prompts = {f"p{rep}-{i}": [rng.randrange(2, vocab) for _ in range(n)] for i in range(b)}
+            prompts = random_prompts(rng, vocab, f"p{rep}", b, n)
             times.append(core.prefill(prompts, b * n)[0])
             core.free(list(prompts))
         entry: dict[str, Any] = {"core_ms": round(statistics.median(times[1:]) * 1e3, 2)}
         entry["launch_host_ms"] = round(statistics.median(core.launch_times[-2:]) * 1e3, 2)
-        if b * n == max(math.prod(int(v) for v in p.split("x")) for p in args.prefills):
-            prompts = {f"m-{i}": [rng.randrange(2, vocab) for _ in range(n)] for i in range(b)}
-
-            def one(prompts: dict[str, list[int]] = prompts, budget: int = b * n) -> None:
-                core.prefill(prompts, budget)
-                core.free(list(prompts))
-
+        if b * n == largest:
+            one = partial(prefill_and_free, core, random_prompts(rng, vocab, "m", b, n), b * n)
             entry["matmul_ms"] = round(matmul_floor_ms(one, device), 2)
             entry["core_over_matmul"] = round(entry["core_ms"] / entry["matmul_ms"], 2)
         if not args.skip_hf:
@@ -478,7 +490,7 @@ def main() -> None:
             entry["hf_over_core"] = round(entry["hf_ms"] / entry["core_ms"], 2)
             if "matmul_ms" in entry:  # the best any engine with these matmuls could do
                 entry["hf_over_matmul"] = round(entry["hf_ms"] / entry["matmul_ms"], 2)
-        if device == "cuda" and b * n == max(math.prod(int(v) for v in p.split("x")) for p in args.prefills):
+        if device == "cuda" and b * n == largest:
             profiles.append(("prefill", spec))
         REPORT["prefill"][spec] = entry
         log("prefill", spec, entry)
@@ -488,13 +500,11 @@ def main() -> None:
     for context in args.contexts:
         for batch in args.batches:
             key = f"b{batch}_ctx{context}"
-            prompts = {f"d{key}-{i}": [rng.randrange(2, vocab) for _ in range(context)] for i in range(batch)}
+            prompts = random_prompts(rng, vocab, f"d{key}", batch, context)
             core.prefill(prompts, engine.max_num_batched_tokens)
             rids = list(prompts)
             experts = distinct_experts(runner, core, rids)
-            with HostClock(
-                {"upload": (_Graph, "upload"), "graph_launch": (torch.cuda.CUDAGraph, "replay")}
-            ) as clock:
+            with HostClock(LAUNCH_PARTS) as clock:
                 times = core.decode(rids, args.steps)
             launches = core.launch_times[-len(times) :]
             lengths = [core.lengths[r] for r in rids]
@@ -549,23 +559,17 @@ def run_profiles(core: CoreDriver, profiles: list[tuple[str, str]], steps: int, 
     for kind, key in profiles:
         if kind == "prefill":
             b, n = (int(v) for v in key.split("x"))
-            prompts = {f"q-{i}": [rng.randrange(2, vocab) for _ in range(n)] for i in range(b)}
-
-            def one_prefill(prompts: dict[str, list[int]] = prompts, budget: int = b * n) -> None:
-                core.prefill(prompts, budget)
-                core.free(list(prompts))
-
-            REPORT["prefill"][key]["profile_eager"] = profile_step(core, one_prefill)
+            one = partial(prefill_and_free, core, random_prompts(rng, vocab, "q", b, n), b * n)
+            REPORT["prefill"][key]["profile_eager"] = profile_step(core, one)
             continue
         batch, context = (int(v) for v in key.removeprefix("b").split("_ctx"))
-        prompts = {f"r{key}-{i}": [rng.randrange(2, vocab) for _ in range(context)] for i in range(batch)}
+        prompts = random_prompts(rng, vocab, f"r{key}", batch, context)
         core.prefill(prompts, core.runner.engine.max_num_batched_tokens)
         rids, entry = list(prompts), REPORT["decode"][key]
         entry["profile_eager"] = profile_step(core, lambda rids=rids: core.decode(rids, 1))
         if batch == 1:
             entry["host_profile"] = host_profile(lambda rids=rids: core.decode(rids, 1), 8)
-            targets = {"upload": (_Graph, "upload"), "graph_launch": (torch.cuda.CUDAGraph, "replay")}
-            with HostClock(targets) as clock:
+            with HostClock(LAUNCH_PARTS) as clock:
                 times = core.decode(rids, steps)
             entry["core_ms_after_profiler"] = round(statistics.median(times[2:]) * 1e3, 3)
             entry["launch_parts_ms_after_profiler"] = clock.medians_ms(skip=2)
@@ -591,7 +595,7 @@ def engine_generate(runner: ModelRunner, args: argparse.Namespace, rng: random.R
             for context in args.engine_contexts:
                 for batch in args.batches:
                     vocab = runner.model_cfg.vocab_size
-                    prompts = [[rng.randrange(2, vocab) for _ in range(context)] for _ in range(batch)]
+                    prompts = list(random_prompts(rng, vocab, "e", batch, context).values())
                     walls, steps, preempted = [], [], []
                     # warm-up: graph captures and kernel compiles of this batch's buckets happen here
                     engine.generate(prompts, SamplingParams(max_tokens=args.steps * 2 + 1, temperature=0.0))
