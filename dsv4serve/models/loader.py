@@ -64,6 +64,7 @@ from dsv4serve.models.weights import (
     loaded_tensors,
     storage_dtype,
 )
+from dsv4serve.moe.experts import stacked_gate_up
 from dsv4serve.progress import Progress, silent
 from dsv4serve.quant import Int8Weight, Weight, quantize_int8
 
@@ -399,9 +400,8 @@ def _empty_stacks(
         stem, _, leaf = stacked.rpartition(".")
         if leaf not in ("w1", "w3") or f"{stem}.w1" in made or f"{stem}.w3" in made:
             return {stacked: torch.empty((num, *value.shape), dtype=value.dtype, device=device)}
-        inter = value.shape[0]
-        both = torch.empty((num, 2 * inter, *value.shape[1:]), dtype=value.dtype, device=device)
-        return {f"{stem}.w1": both[:, :inter], f"{stem}.w3": both[:, inter:]}
+        w1, w3 = stacked_gate_up((num, *value.shape), value.dtype, device)
+        return {f"{stem}.w1": w1, f"{stem}.w3": w3}
     return {
         stacked: Int8Weight(
             torch.empty((num, *value.qweight.shape), dtype=torch.int8, device=device),  # (E, out, in)

@@ -20,6 +20,7 @@ import torch
 
 from dsv4serve.models.loader import FLOAT_HEADER_DTYPES, _open, checkpoint_files, read_headers
 from dsv4serve.models.weights import CheckpointError, listed
+from dsv4serve.moe.experts import stacked_gate_up
 from dsv4serve.progress import shown
 from dsv4serve.quant import Weight
 
@@ -56,7 +57,7 @@ def load_by_schema(
         )
     out: dict[str, Weight] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
-    gate_up: dict[str, torch.Tensor] = {}  # by experts prefix
+    gate_up: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (w1, w3) stacks by experts prefix
     sizes = {name: shape[0] for name, shape in loaded_names(expected).items() if name not in expected}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in files}
@@ -76,13 +77,10 @@ def load_by_schema(
                     out[key] = stacked.to(device)
                     continue
                 # gate and up: the two halves of one (E, 2I, H) buffer (one prefill GEMM, `gate_up_view`)
-                both = gate_up.get(found[1])
-                if both is None:
-                    shape = (stacked.shape[0], 2 * stacked.shape[1], *stacked.shape[2:])
-                    both = gate_up[found[1]] = torch.empty(shape, dtype=stacked.dtype, device=device)
-                half = stacked.shape[1]
-                view = both[:, :half] if found[3] == "gate" else both[:, half:]
-                out[key] = view.copy_(stacked)
+                if found[1] not in gate_up:
+                    gate_up[found[1]] = stacked_gate_up(tuple(stacked.shape), stacked.dtype, device)
+                w1, w3 = gate_up[found[1]]
+                out[key] = (w1 if found[3] == "gate" else w3).copy_(stacked)
     assert not experts, f"incomplete expert stacks: {sorted(experts)}"
     return out
 

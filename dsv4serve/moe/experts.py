@@ -68,3 +68,13 @@ def gate_up_view(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
     if w3.untyped_storage().data_ptr() != w1.untyped_storage().data_ptr():  # adjacent, but apart
         return None
     return w1.as_strided((E, 2 * inter, hidden), stride)
+
+
+def stacked_gate_up(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty w1 and w3 stacks of `shape` (E, I, H), the two halves of one (E, 2I, H) buffer
+    (`gate_up_view` of them is that buffer): the layout the loaders give float experts."""
+    num, inter, hidden = shape
+    both = torch.empty(num, 2 * inter, hidden, dtype=dtype, device=device)
+    return both[:, :inter], both[:, inter:]
