@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from dsv4serve.attention.metadata import BatchItem, build_forward_batch
-from dsv4serve.bench import CoreDriver, sync
+from dsv4serve.bench import TIMED, CoreDriver, sync
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.executor.graphs import _Graph
 from dsv4serve.executor.runner import ModelRunner
@@ -334,25 +334,69 @@ def replay_ms(runner: ModelRunner) -> float | None:
     return statistics.median(times[2:])
 
 
-def profile_step(core: CoreDriver, run: Any) -> list[dict[str, Any]]:
-    """Per-kernel device time of one eager step (graphs off), top 25."""
+def profile_step(core: CoreDriver, run: Any, idle: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per-kernel device time of one eager step (graphs off), top 25. With `idle` (a dict, filled):
+    where the device waits in that step (`device_idle`)."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, core.runner.graphs = core.runner.graphs, None
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if idle is not None else [])
     try:
         run()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=activities) as prof:
             run()
     finally:
         core.runner.graphs = graphs
+    if idle is not None:
+        idle.update(device_idle(prof.events()))
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us:
+        if us and e.device_type.name != "CPU" and e.key != TIMED:  # kernels only
             rows.append({"kernel": e.key[:90], "us": round(us, 1), "calls": e.count})
     rows.sort(key=lambda r: -r["us"])
     total = sum(r["us"] for r in rows)
     return [{"total_us": round(total, 1)}, *rows[:25]]
+
+
+def device_idle(events: Any, top: int = 8) -> dict[str, Any]:
+    """From a profile of one step: the host's lead-in before the first kernel, the device's idle time
+    between its first and last kernel, and the longest gaps, each with the kernel before it and the
+    host ops (innermost first) that were running when it began."""
+    host = [e for e in events if e.device_type.name == "CPU"]
+    step = next(e for e in host if e.name == TIMED)  # the timed part: the plan before it is not timed
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type.name == "CUDA" and e.time_range.start >= step.time_range.start and e.name != TIMED
+    )  # (the timed range shows on the device too, as an annotation: not a kernel)
+    host = [e for e in host if step.time_range.start <= e.time_range.start and e.name != TIMED]
+    lead_in: collections.Counter[str] = collections.Counter()  # host self time by op before the first kernel
+    for e in host:
+        if e.time_range.end <= kernels[0][0]:
+            lead_in[e.name[:50]] += e.self_cpu_time_total
+    gaps, end, before = [], kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, end, before))
+        if stop > end:
+            end, before = stop, name
+    gaps.sort(reverse=True)
+    longest = []
+    for us, at, before in gaps[:top]:
+        running = sorted(
+            (e for e in host if e.time_range.start <= at <= e.time_range.end),
+            key=lambda e: e.time_range.end - e.time_range.start,
+        )
+        longest.append({"us": round(us, 1), "after": before[:60], "host": [e.name[:50] for e in running[:3]]})
+    return {
+        "lead_in_us": round(kernels[0][0] - step.time_range.start, 1),
+        "lead_in_host_us": {name: round(us, 1) for name, us in lead_in.most_common(top)},
+        "span_us": round(end - kernels[0][0], 1),
+        "idle_us": round(sum(g[0] for g in gaps), 1),
+        "gaps": len(gaps),
+        "longest": longest,
+    }
 
 
 def host_profile(run: Any, steps: int) -> list[dict[str, Any]]:
@@ -538,11 +582,11 @@ def main() -> None:
             REPORT["decode"][key] = entry
             log("decode", key, entry)
             save(args)
-    if args.sample_engine:
+    if args.engine_contexts and args.sample_engine:
         with ThreadSampler() as sampler:
             REPORT["engine"] = engine_generate(runner, args, rng)
         REPORT["engine_host_samples"] = sampler.report()
-    else:
+    elif args.engine_contexts:
         REPORT["engine"] = engine_generate(runner, args, rng)
     run_profiles(core, profiles, args.steps, rng)  # last: the profiler slows later launches (CUPTI)
     REPORT["seconds"] = round(time.perf_counter() - started, 1)
@@ -560,7 +604,9 @@ def run_profiles(core: CoreDriver, profiles: list[tuple[str, str]], steps: int, 
         if kind == "prefill":
             b, n = (int(v) for v in key.split("x"))
             one = partial(prefill_and_free, core, random_prompts(rng, vocab, "q", b, n), b * n)
-            REPORT["prefill"][key]["profile_eager"] = profile_step(core, one)
+            idle: dict[str, Any] = {}
+            REPORT["prefill"][key]["profile_eager"] = profile_step(core, one, idle)
+            REPORT["prefill"][key]["device_idle"] = idle
             continue
         batch, context = (int(v) for v in key.removeprefix("b").split("_ctx"))
         prompts = random_prompts(rng, vocab, f"r{key}", batch, context)

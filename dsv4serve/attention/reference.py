@@ -84,10 +84,10 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Shared-K=V attention of each query over its sliding window plus compressed entries, with sinks.
 
-    q: (T, H, D) roped; swa / compressed: (slots, D) pools; indices: (T, K) int32 entries chosen by
-    the indexer (-1 = none), or None to take every visible entry (heavily compressed layers, or no
-    compressor when ratio is 0). Returns (T, H, D) with the rope slice rotated back by -position
-    (K=V carried the keys' rope into the values).
+    q: (T, H, D) roped; swa / compressed: (slots, D) pools; indices: (T, K) int32 distinct visible
+    entries chosen by the indexer, packed before the padding (-1 = none), or None to take every
+    visible entry (heavily compressed layers, or no compressor when ratio is 0). Returns (T, H, D)
+    with the rope slice rotated back by -position (K=V carried the keys' rope into the values).
     """
     geo = _geometry(meta)
     keys, visible = swa[geo.window_slots], geo.window_visible  # (T, W, D), (T, W)

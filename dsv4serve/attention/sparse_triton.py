@@ -73,14 +73,14 @@ def _attend(q, acc, m, s_sum, pool_ptr, slot, valid, d, dmask, D, scale, FP32: t
 
 @triton.jit
 def _num_entries(pos, RATIO, NUM_IDX, HAS_CMP: tl.constexpr, HAS_IDX: tl.constexpr):
-    """How many compressed entries a token at `pos` attends to: its indexer's picks (padded with -1)
-    or every visible one; 0 on a window-only layer."""
+    """How many compressed entries a token at `pos` attends to: its indexer's picks or every visible
+    one; 0 on a window-only layer. A token's picks are distinct visible entries, (pos + 1) // RATIO at
+    most, packed before the padding (-1): nothing past that many is a pick, so it is never walked."""
     n = pos * 0
     if HAS_CMP:
+        n = (pos + 1) // RATIO
         if HAS_IDX:
-            n = n + NUM_IDX
-        else:
-            n = (pos + 1) // RATIO
+            n = tl.minimum(n, NUM_IDX)
     return n
 
 
