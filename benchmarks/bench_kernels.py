@@ -5,10 +5,12 @@ small steps with and without splitting the keys over programs, and the mHC pre-m
 prefill. Prints one JSON object: median ms per variant, with the variant the package uses now marked
 "current".
 
-    python benchmarks/bench_kernels.py [--mhc | --moe | --gemv | --launch | --prefill]   (one sweep only;
-        --gemv: the decode projections' GEMMs at 1 and 8 rows, per tile, in us and GB/s of weight read;
-        --launch: a CUDA graph launch's host time and when the device starts its work; --prefill: the
-        8 x 1024 attention and mHC sweeps)
+    python benchmarks/bench_kernels.py [--mhc | --moe | --gemv | --launch | --prefill | --grouped-mm]
+
+Each option runs one sweep only. --gemv: the decode projections' GEMMs at 1 and 8 rows, per tile, in
+us and GB/s of weight read; --launch: a CUDA graph launch's host time and when the device starts its
+work; --prefill: the 8 x 1024 attention and mHC sweeps; --grouped-mm: the prefill experts' GEMMs in
+torch._grouped_mm against torch.compile's max-autotune Triton templates.
 """
 
 from __future__ import annotations
@@ -103,6 +105,37 @@ def moe_sweep() -> dict[str, float]:
             out["torch_grouped_mm_rel_err"] = float((got.float() - want.float()).norm() / want.float().norm())
         except Exception as exc:
             print("grouped_mm", type(exc).__name__, str(exc)[:300])
+    return out
+
+
+def inductor_grouped_mm() -> dict[str, Any]:
+    """The prefill experts' two grouped GEMMs (8 x 1024 tokens, 6 of 256 experts each: ~192 rows per
+    expert) in `torch._grouped_mm` (CUTLASS, 128-row tiles for these shapes) against what torch's
+    own compiler makes of them under max-autotune: its Triton grouped-GEMM templates (TMA, persistent,
+    64- and 128-row tiles) benchmarked beside the CUTLASS kernel, the best kept. Median ms of each."""
+    import torch._inductor.config as inductor_config
+
+    x, _, ids, w13, w2 = moe_inputs()
+    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0])
+    offs = counts.cumsum(0).int()
+    rows = x.repeat_interleave(ids.shape[1], 0)  # (pairs, H): a GEMM's time does not hang on which rows
+    h = torch.randn(rows.shape[0], w2.shape[-1], device="cuda", dtype=torch.bfloat16)
+    out: dict[str, Any] = {"rows_per_expert": [int(counts.min()), int(counts.max())]}
+
+    def grouped(a: torch.Tensor, b: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(a, b, offs=o)
+
+    inductor_config.max_autotune_gemm_backends = "TRITON,ATEN"
+    compiled = torch.compile(grouped, mode="max-autotune-no-cudagraphs", dynamic=False)
+    for name, a, b in (("gate_up", rows, w13.transpose(1, 2)), ("down", h, w2.transpose(1, 2))):
+        out[f"{name}_grouped_mm"] = timed(lambda a=a, b=b: grouped(a, b, offs))
+        begin = time.perf_counter()
+        got = compiled(a, b, offs)
+        out[f"{name}_compile_s"] = round(time.perf_counter() - begin, 1)
+        out[f"{name}_inductor"] = timed(lambda a=a, b=b: compiled(a, b, offs))
+        out[f"{name}_max_abs_diff"] = float((got.float() - grouped(a, b, offs).float()).abs().max())
+        flops = 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+        out[f"{name}_grouped_mm_tflops"] = round(flops / out[f"{name}_grouped_mm"] / 1e9, 1)
     return out
 
 
@@ -299,6 +332,9 @@ def main() -> None:
             "mhc_prefill_8x1024": mhc_sweep(),
         }
         print(json.dumps(report))
+        return
+    if sys.argv[1:] == ["--grouped-mm"]:
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "experts_8x1024": inductor_grouped_mm()}))
         return
     if sys.argv[1:] == ["--launch"]:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "graph_launch": launch_sweep()}))
