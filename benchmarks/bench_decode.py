@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from dsv4serve.attention.metadata import BatchItem, build_forward_batch
-from dsv4serve.bench import TIMED, CoreDriver, sync
+from dsv4serve.bench import TIMED, CoreDriver, device_idle, sync
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.executor.graphs import _Graph
 from dsv4serve.executor.runner import ModelRunner
@@ -348,7 +348,7 @@ def profile_step(core: CoreDriver, run: Any, idle: dict[str, Any] | None = None)
     finally:
         core.runner.graphs = graphs
     if idle is not None:
-        idle.update(device_idle(prof.events()))
+        idle.update(device_idle(prof.events()))  # from dsv4serve.bench
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -357,46 +357,6 @@ def profile_step(core: CoreDriver, run: Any, idle: dict[str, Any] | None = None)
     rows.sort(key=lambda r: -r["us"])
     total = sum(r["us"] for r in rows)
     return [{"total_us": round(total, 1)}, *rows[:25]]
-
-
-def device_idle(events: Any, top: int = 8) -> dict[str, Any]:
-    """From a profile of one step: the host's lead-in before the first kernel, the device's idle time
-    between its first and last kernel, and the longest gaps, each with the kernel before it and the
-    host ops (innermost first) that were running when it began."""
-    host = [e for e in events if e.device_type.name == "CPU"]
-    step = next(e for e in host if e.name == TIMED)  # the timed part: the plan before it is not timed
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in events
-        if e.device_type.name == "CUDA" and e.time_range.start >= step.time_range.start and e.name != TIMED
-    )  # (the timed range shows on the device too, as an annotation: not a kernel)
-    host = [e for e in host if step.time_range.start <= e.time_range.start and e.name != TIMED]
-    lead_in: collections.Counter[str] = collections.Counter()  # host self time by op before the first kernel
-    for e in host:
-        if e.time_range.end <= kernels[0][0]:
-            lead_in[e.name[:50]] += e.self_cpu_time_total
-    gaps, end, before = [], kernels[0][1], kernels[0][2]
-    for start, stop, name in kernels[1:]:
-        if start > end:
-            gaps.append((start - end, end, before))
-        if stop > end:
-            end, before = stop, name
-    gaps.sort(reverse=True)
-    longest = []
-    for us, at, before in gaps[:top]:
-        running = sorted(
-            (e for e in host if e.time_range.start <= at <= e.time_range.end),
-            key=lambda e: e.time_range.end - e.time_range.start,
-        )
-        longest.append({"us": round(us, 1), "after": before[:60], "host": [e.name[:50] for e in running[:3]]})
-    return {
-        "lead_in_us": round(kernels[0][0] - step.time_range.start, 1),
-        "lead_in_host_us": {name: round(us, 1) for name, us in lead_in.most_common(top)},
-        "span_us": round(end - kernels[0][0], 1),
-        "idle_us": round(sum(g[0] for g in gaps), 1),
-        "gaps": len(gaps),
-        "longest": longest,
-    }
 
 
 def host_profile(run: Any, steps: int) -> list[dict[str, Any]]:
@@ -411,6 +371,7 @@ def host_profile(run: Any, steps: int) -> list[dict[str, Any]]:
     rows = [
         {"op": e.key[:80], "self_us_per_step": round(e.self_cpu_time_total / steps, 1), "calls": e.count}
         for e in prof.key_averages()
+        if e.key != TIMED  # the step's own range: its self time is Python between ops, not an op
     ]
     rows.sort(key=lambda r: -r["self_us_per_step"])
     return rows[:15]

@@ -25,7 +25,7 @@ import torch
 import triton
 
 from dsv4serve import mhc, mhc_triton
-from dsv4serve.attention import norm_rope_triton, sparse_triton
+from dsv4serve.attention import core, norm_rope_triton, sparse_triton
 from dsv4serve.moe import experts_triton
 from tests.kernel_cases import kernel_model, make_case
 from tools.kernel_shapes import FLASH
@@ -112,7 +112,9 @@ def inductor_grouped_mm() -> dict[str, Any]:
     """The prefill experts' two grouped GEMMs (8 x 1024 tokens, 6 of 256 experts each: ~192 rows per
     expert) in `torch._grouped_mm` (CUTLASS, 128-row tiles for these shapes) against what torch's
     own compiler makes of them under max-autotune: its Triton grouped-GEMM templates (TMA, persistent,
-    64- and 128-row tiles) benchmarked beside the CUTLASS kernel, the best kept. Median ms of each."""
+    64- and 128-row tiles) benchmarked beside the CUTLASS kernel, the best kept. Median ms of each call
+    (event-timed: the compiled call's host work counts where the device waits for it); inductor logs
+    each template's own time (stderr)."""
     import torch._inductor.config as inductor_config
 
     x, _, ids, w13, w2 = moe_inputs()
@@ -181,13 +183,12 @@ def attention_sweep(
     swa, cmp = case.pools.swa[1].view(-1, D), case.pools.c4[1].view(-1, D)
     cmp_ = cmp if ratio else None
     idx = None
-    if topk:
-        visible = (case.batch.positions + 1) // 4
-        idx = (
-            (torch.rand(T, case.batch.max_seq_len // 4, device="cuda") * (visible[:, None] > 0))
-            .argsort(-1, descending=True)[:, :topk]
-            .int()
-        )
+    if topk:  # random distinct visible entries, packed before their padding, as the indexer returns them
+        visible = ((case.batch.positions + 1) // 4)[:, None]
+        entries = torch.arange(case.batch.max_seq_len // 4, device="cuda")
+        scores = torch.rand(T, entries.numel(), device="cuda").masked_fill(entries >= visible, -1.0)
+        chosen = scores.topk(min(topk, entries.numel()), dim=-1).indices
+        idx = core.in_index_order(chosen, chosen < visible)
     current = getattr(sparse_triton, which)
     clock = timed if T > sparse_triton.PREFILL_TOKENS else timed_graph  # decode steps are captured
     if which == "SPLIT_CONFIG":

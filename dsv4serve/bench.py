@@ -9,9 +9,10 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,6 +116,59 @@ class CoreDriver:
             self.alloc.free(rid)
             self.lengths.pop(rid, None)
             self.last.pop(rid, None)
+
+
+def device_idle(events: Iterable[Any], top: int = 8) -> dict[str, Any]:
+    """Where the device waits inside a profiled step's timed part (the first `TIMED` range of a torch
+    profiler trace: `prof.events()`): the host's lead-in before the first device op and before the
+    first compute kernel (copies and memsets aside), the idle time between its first and last device
+    op, and the longest gaps, each with the device op before it and the host ops (innermost first)
+    that were running when it began. Device ops outside the range are not the step's."""
+    events = list(events)
+    host = [e for e in events if e.device_type.name == "CPU"]
+    step = next((e for e in host if e.name == TIMED), None)
+    if step is None:
+        return {"error": f"no {TIMED!r} range in the profile"}
+    lo, hi = step.time_range.start, step.time_range.end
+    ops = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type.name != "CPU"
+        and not getattr(e, "is_user_annotation", False)
+        and e.name != TIMED  # the range shows on the device too, as an annotation
+        and lo <= e.time_range.start <= hi
+    )
+    if not ops:
+        return {"error": "no device op in the timed range"}
+    host = [e for e in host if e.name != TIMED and lo <= e.time_range.start <= hi]
+    lead_in: Counter[str] = Counter()  # host self time by op before the first device op
+    for e in host:
+        if e.time_range.end <= ops[0][0]:
+            lead_in[e.name[:50]] += e.self_cpu_time_total
+    compute = next((start for start, _, name in ops if not name.startswith(("Memcpy", "Memset"))), None)
+    gaps, end, before = [], ops[0][1], ops[0][2]
+    for start, stop, name in ops[1:]:
+        if start > end:
+            gaps.append((start - end, end, before))
+        if stop > end:
+            end, before = stop, name
+    gaps.sort(reverse=True)
+    longest = []
+    for us, at, after in gaps[:top]:
+        running = sorted(
+            (e for e in host if e.time_range.start <= at <= e.time_range.end),
+            key=lambda e: e.time_range.end - e.time_range.start,
+        )
+        longest.append({"us": round(us, 1), "after": after[:60], "host": [e.name[:50] for e in running[:3]]})
+    return {
+        "lead_in_us": round(ops[0][0] - lo, 1),
+        "lead_in_compute_us": None if compute is None else round(compute - lo, 1),
+        "lead_in_host_us": {name: round(us, 1) for name, us in lead_in.most_common(top)},
+        "span_us": round(end - ops[0][0], 1),
+        "idle_us": round(sum(g[0] for g in gaps), 1),
+        "gaps": len(gaps),
+        "longest": longest,
+    }
 
 
 def run_bench(

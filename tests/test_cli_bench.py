@@ -1,12 +1,15 @@
-"""`python -m dsv4serve bench`: one JSON object with the measured step times."""
+"""`python -m dsv4serve bench`: one JSON object with the measured step times; `device_idle`, the
+profile analysis of where the device waits in a timed step."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from dsv4serve.bench import TIMED, device_idle
 from dsv4serve.cli import main
 
 
@@ -71,3 +74,44 @@ def test_overlapped_decode_gives_the_synchronous_tokens(tiny_model_dir: Path) ->
         core.free(list(prompts))
         tokens.append(seen)
     assert tokens[0] == tokens[1] and len({s["a"] for s in tokens[0]}) > 1
+
+
+def _event(kind: str, name: str, start: float, end: float, self_us: float = 0.0) -> SimpleNamespace:
+    """The fields of a torch profiler FunctionEvent that `device_idle` reads."""
+    return SimpleNamespace(
+        device_type=SimpleNamespace(name=kind),
+        name=name,
+        time_range=SimpleNamespace(start=start, end=end),
+        self_cpu_time_total=self_us,
+    )
+
+
+def test_device_idle_finds_the_timed_steps_lead_in_and_gaps() -> None:
+    events = [
+        _event("CUDA", "plan_kernel", 0, 3),  # before the timed range: not the step's
+        _event("CPU", "plan", 0, 4, 4),
+        _event("CPU", TIMED, 5, 100),
+        _event("CUDA", TIMED, 10, 80),  # the range's device-side annotation: not an op
+        _event("CPU", "prepare", 6, 9, 3),
+        _event("CPU", "forward", 5, 90, 2),
+        _event("CPU", "aten::item", 40, 55, 15),
+        _event("CUDA", "Memcpy HtoD (Pinned -> Device)", 10, 12),
+        _event("CUDA", "k1", 14, 20),
+        _event("CUDA", "k2", 20, 40),
+        _event("CUDA", "k3", 56, 60),
+        _event("CUDA", "k4", 58, 70),  # overlaps k3: no gap between them
+        _event("CUDA", "k5", 75, 80),
+        _event("CUDA", "later_kernel", 120, 130),  # after the range: not the step's
+    ]
+    idle = device_idle(events)
+    assert idle["lead_in_us"] == 5 and idle["lead_in_compute_us"] == 9
+    assert idle["lead_in_host_us"] == {"prepare": 3}
+    assert idle["span_us"] == 70 and idle["idle_us"] == 2 + 16 + 5 and idle["gaps"] == 3
+    first = idle["longest"][0]
+    assert first == {"us": 16, "after": "k2", "host": ["aten::item", "forward"]}
+    assert [g["after"] for g in idle["longest"][1:]] == ["k4", "Memcpy HtoD (Pinned -> Device)"]
+
+
+def test_device_idle_says_what_is_missing() -> None:
+    assert "error" in device_idle([_event("CUDA", "k", 0, 1)])
+    assert "error" in device_idle([_event("CPU", TIMED, 5, 10), _event("CUDA", "k", 20, 30)])

@@ -1,5 +1,6 @@
 """Triton indexer top-k against the reference: exact integer-valued inputs (so both compute identical
-scores, full of exact ties), ragged steps, poisoned pools; and the tie rule itself."""
+scores, full of exact ties), ragged steps, poisoned pools; the picks packed before their padding (what
+the sparse attention walks by); and the tie rule itself."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def test_indexer_topk_matches_reference_with_exact_ties(steps: list, dtype: str,
     got = kt.indexer_topk(q, head_w, keys, case.fused, 5, 0.5)
     assert got.dtype == torch.int32 and got.shape == ref.shape
     assert torch.equal(got, ref)
+    _assert_packed(ref.cpu(), case.batch.positions.cpu())
+
+
+def _assert_packed(picks: torch.Tensor, positions: torch.Tensor) -> None:
+    """The picks' contract the sparse attention walks by: each token's min(k, visible) picks are
+    distinct visible entries in index order, then only padding (-1)."""
+    k = picks.shape[1]
+    for row, pos in zip(picks.tolist(), positions.tolist(), strict=True):
+        n = min(k, (pos + 1) // 4)
+        assert row[:n] == sorted(set(row[:n])) and all(0 <= e < (pos + 1) // 4 for e in row[:n])
+        assert row[n:] == [-1] * (k - n)
 
 
 def test_topk_rule_is_highest_first_then_lowest_index_whatever_the_width() -> None:
