@@ -336,14 +336,15 @@ def replay_ms(runner: ModelRunner) -> float | None:
 
 def profile_step(core: CoreDriver, run: Any, idle: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Per-kernel device time of one eager step (graphs off), top 25. With `idle` (a dict, filled):
-    where the device waits in that step (`device_idle`)."""
+    where the device waits in that step (`device_idle`; host ops and their Python stacks recorded
+    too, which slows the host: its gaps are upper bounds)."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, core.runner.graphs = core.runner.graphs, None
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if idle is not None else [])
     try:
         run()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=idle is not None) as prof:
             run()
     finally:
         core.runner.graphs = graphs

@@ -76,13 +76,16 @@ def test_overlapped_decode_gives_the_synchronous_tokens(tiny_model_dir: Path) ->
     assert tokens[0] == tokens[1] and len({s["a"] for s in tokens[0]}) > 1
 
 
-def _event(kind: str, name: str, start: float, end: float, self_us: float = 0.0) -> SimpleNamespace:
+def _event(
+    kind: str, name: str, start: float, end: float, self_us: float = 0.0, stack: tuple[str, ...] = ()
+) -> SimpleNamespace:
     """The fields of a torch profiler FunctionEvent that `device_idle` reads."""
     return SimpleNamespace(
         device_type=SimpleNamespace(name=kind),
         name=name,
         time_range=SimpleNamespace(start=start, end=end),
         self_cpu_time_total=self_us,
+        stack=list(stack),
     )
 
 
@@ -95,6 +98,9 @@ def test_device_idle_finds_the_timed_steps_lead_in_and_gaps() -> None:
         _event("CPU", "prepare", 6, 9, 3),
         _event("CPU", "forward", 5, 90, 2),
         _event("CPU", "aten::item", 40, 55, 15),
+        _event(
+            "CPU", "aten::mm", 54, 56, 1, ("torch/nn/functional.py(1): linear", "dsv4serve/moe/x.py(7): f")
+        ),
         _event("CUDA", "Memcpy HtoD (Pinned -> Device)", 10, 12),
         _event("CUDA", "k1", 14, 20),
         _event("CUDA", "k2", 20, 40),
@@ -108,7 +114,13 @@ def test_device_idle_finds_the_timed_steps_lead_in_and_gaps() -> None:
     assert idle["lead_in_host_us"] == {"prepare": 3}
     assert idle["span_us"] == 70 and idle["idle_us"] == 2 + 16 + 5 and idle["gaps"] == 3
     first = idle["longest"][0]
-    assert first == {"us": 16, "after": "k2", "host": ["aten::item", "forward"]}
+    assert first == {
+        "us": 16,
+        "after": "k2",
+        "before": "k3",
+        "host": ["aten::item", "forward"],
+        "launched_from": ["dsv4serve/moe/x.py(7): f"],  # the last host op with a stack begun by then
+    }
     assert [g["after"] for g in idle["longest"][1:]] == ["k4", "Memcpy HtoD (Pinned -> Device)"]
 
 
