@@ -334,22 +334,22 @@ def replay_ms(runner: ModelRunner) -> float | None:
     return statistics.median(times[2:])
 
 
-def profile_step(core: CoreDriver, run: Any, idle: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Per-kernel device time of one eager step (graphs off), top 25. With `idle` (a dict, filled):
-    where the device waits in that step (`device_idle`; host ops and their Python stacks recorded
-    too, which slows the host: its gaps are upper bounds)."""
+def profile_step(
+    core: CoreDriver, run: Any, idle: bool = False
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per-kernel device time of one eager step (graphs off), top 25; with `idle`, also where the
+    device waits in that step (`device_idle`: host ops and their Python stacks recorded too, which
+    slows the host, so its gaps are upper bounds), else an empty dict."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, core.runner.graphs = core.runner.graphs, None
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if idle is not None else [])
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if idle else [])]
     try:
         run()
-        with profile(activities=activities, with_stack=idle is not None) as prof:
+        with profile(activities=activities, with_stack=idle) as prof:
             run()
     finally:
         core.runner.graphs = graphs
-    if idle is not None:
-        idle.update(device_idle(prof.events()))  # from dsv4serve.bench
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -357,7 +357,7 @@ def profile_step(core: CoreDriver, run: Any, idle: dict[str, Any] | None = None)
             rows.append({"kernel": e.key[:90], "us": round(us, 1), "calls": e.count})
     rows.sort(key=lambda r: -r["us"])
     total = sum(r["us"] for r in rows)
-    return [{"total_us": round(total, 1)}, *rows[:25]]
+    return [{"total_us": round(total, 1)}, *rows[:25]], device_idle(prof.events()) if idle else {}
 
 
 def host_profile(run: Any, steps: int) -> list[dict[str, Any]]:
@@ -566,15 +566,14 @@ def run_profiles(core: CoreDriver, profiles: list[tuple[str, str]], steps: int, 
         if kind == "prefill":
             b, n = (int(v) for v in key.split("x"))
             one = partial(prefill_and_free, core, random_prompts(rng, vocab, "q", b, n), b * n)
-            idle: dict[str, Any] = {}
-            REPORT["prefill"][key]["profile_eager"] = profile_step(core, one, idle)
-            REPORT["prefill"][key]["device_idle"] = idle
+            entry = REPORT["prefill"][key]
+            entry["profile_eager"], entry["device_idle"] = profile_step(core, one, idle=True)
             continue
         batch, context = (int(v) for v in key.removeprefix("b").split("_ctx"))
         prompts = random_prompts(rng, vocab, f"r{key}", batch, context)
         core.prefill(prompts, core.runner.engine.max_num_batched_tokens)
         rids, entry = list(prompts), REPORT["decode"][key]
-        entry["profile_eager"] = profile_step(core, lambda rids=rids: core.decode(rids, 1))
+        entry["profile_eager"] = profile_step(core, lambda rids=rids: core.decode(rids, 1))[0]
         if batch == 1:
             entry["host_profile"] = host_profile(lambda rids=rids: core.decode(rids, 1), 8)
             with HostClock(LAUNCH_PARTS) as clock:

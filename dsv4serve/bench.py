@@ -122,10 +122,7 @@ def device_idle(events: Iterable[Any], top: int = 8) -> dict[str, Any]:
     """Where the device waits inside a profiled step's timed part (the first `TIMED` range of a torch
     profiler trace: `prof.events()`): the host's lead-in before the first device op and before the
     first compute kernel (copies and memsets aside), the idle time between its first and last device
-    op, and the longest gaps, each with the device ops around it, the host ops (innermost first) that
-    were running when it began and, in a profile with stacks, the package frames of the last host op
-    begun before the device op that ends it (where its launch came from). Device ops outside the
-    range are not the step's."""
+    op, and the longest gaps (`_gap`). Device ops outside the range are not the step's."""
     events = list(events)
     host = [e for e in events if e.device_type.name == "CPU"]
     step = next((e for e in host if e.name == TIMED), None)
@@ -148,34 +145,14 @@ def device_idle(events: Iterable[Any], top: int = 8) -> dict[str, Any]:
         if e.time_range.end <= ops[0][0]:
             lead_in[e.name[:50]] += e.self_cpu_time_total
     compute = next((start for start, _, name in ops if not name.startswith(("Memcpy", "Memset"))), None)
-    gaps, end, before = [], ops[0][1], ops[0][2]
+    gaps = []  # (us, when it began, the op before, the op after)
+    end, before = ops[0][1], ops[0][2]
     for start, stop, name in ops[1:]:
         if start > end:
             gaps.append((start - end, end, before, name))
         if stop > end:
             end, before = stop, name
     gaps.sort(reverse=True)
-    staged = [e for e in host if getattr(e, "stack", None)]
-    longest = []
-    for us, at, after, then in gaps[:top]:
-        running = sorted(
-            (e for e in host if e.time_range.start <= at <= e.time_range.end),
-            key=lambda e: e.time_range.end - e.time_range.start,
-        )
-        gap = {
-            "us": round(us, 1),
-            "after": after[:60],
-            "before": then[:60],
-            "host": [e.name[:50] for e in running[:3]],
-        }
-        launcher = max(
-            (e for e in staged if e.time_range.start <= at + us),
-            key=lambda e: e.time_range.start,
-            default=None,
-        )
-        if launcher is not None:
-            gap["launched_from"] = [f for f in launcher.stack if "dsv4serve" in f][:4]
-        longest.append(gap)
     return {
         "lead_in_us": round(ops[0][0] - lo, 1),
         "lead_in_compute_us": None if compute is None else round(compute - lo, 1),
@@ -183,8 +160,29 @@ def device_idle(events: Iterable[Any], top: int = 8) -> dict[str, Any]:
         "span_us": round(end - ops[0][0], 1),
         "idle_us": round(sum(g[0] for g in gaps), 1),
         "gaps": len(gaps),
-        "longest": longest,
+        "longest": [_gap(*g, host) for g in gaps[:top]],
     }
+
+
+def _gap(us: float, at: float, after: str, then: str, host: list[Any]) -> dict[str, Any]:
+    """One device gap: its length, the device ops around it, the host ops (innermost first) running
+    when it began and, in a profile with stacks, the package frames of the last host op begun before
+    it ended (where the launch that ended it came from)."""
+    running = sorted(
+        (e for e in host if e.time_range.start <= at <= e.time_range.end),
+        key=lambda e: e.time_range.end - e.time_range.start,
+    )
+    gap = {
+        "us": round(us, 1),
+        "after": after[:60],
+        "before": then[:60],
+        "host": [e.name[:50] for e in running[:3]],
+    }
+    begun = [e for e in host if getattr(e, "stack", None) and e.time_range.start <= at + us]
+    if begun:
+        launcher = max(begun, key=lambda e: e.time_range.start)
+        gap["launched_from"] = [f for f in launcher.stack if "dsv4serve" in f][:4]
+    return gap
 
 
 def run_bench(
