@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.mhc import HcParams, HyperConnection
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import enter, launch_options, pow2
 
 BLOCK_K = 128
 MAX_SPLITS = 128  # K-slices of the mixes GEMV: a single decode token still spreads over 128 programs
@@ -45,12 +45,14 @@ def _mix_partials_kernel(
     BLOCK_K: tl.constexpr,
     MIX_ROWS: tl.constexpr,
     BF16: tl.constexpr,  # h in bf16: three bf16 products with fn cut in three bf16 pieces
+    PDL: tl.constexpr,
 ):
     """ws[s, t, :NUM_MIX] = h[t, k-slice s] @ fn[:, k-slice s]^T; ws[s, t, MIX_ROWS - 1] = sum h^2.
 
     fp32-accurate on the tensor cores: a bf16 h is exact in bf16, so fn = hi + mid + lo (each bf16, 24
     bits of fn in all) gives three exact bf16 products summed in fp32, at half the cost of tf32x3's
     three tf32 ones (which float h needs)."""
+    enter(PDL)
     tb = tl.program_id(0)
     s = tl.program_id(1)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -134,7 +136,9 @@ def _hc_pre_epilogue_kernel(
     BLOCK_D: tl.constexpr,
     HEAD: tl.constexpr,  # the head's collapse: pre weights only (no post, no comb), one scale
     ROLES: tl.constexpr,  # 2: the Sinkhorn in a program of its own beside the collapse's; 1: one program
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     DTYPE = h_ptr.dtype.element_ty
     n = tl.arange(0, HC)
@@ -205,6 +209,7 @@ def _collapse(
     _mix_partials_kernel[(triton.cdiv(T, block_t), splits)](
         h, hc.fn, ws, T, K, per_split, hc.fn.shape[0], h.stride(0),
         BLOCK_T=block_t, BLOCK_K=block_k, MIX_ROWS=MIX_ROWS, BF16=h.dtype == torch.bfloat16, num_warps=warps,
+        **launch_options(h),
     )  # fmt: skip
     # decode-sized steps run the Sinkhorn beside the collapse (latency: 75 -> 60 us for 9 calls of a
     # batch-1 step, run 32); larger ones in the same program (at 8 x 1024 two roles cost 0.89 -> 1.08 ms)
@@ -213,7 +218,7 @@ def _collapse(
         h, ws, hc.base, hc.scale, norm_weight, x, x if post is None else post, x if comb is None else comb,
         T, D, K, splits, h.stride(0), h.stride(1), p.norm_eps, p.eps, ITERS=p.sinkhorn_iters, HC=n,
         BLOCK_S=pow2(splits), MIX_ROWS=MIX_ROWS, BLOCK_D=pow2(D), HEAD=head, ROLES=roles,
-        num_warps=8,  # the collapse over hidden dominates: one warp was 3x slower
+        num_warps=8, **launch_options(h),  # the collapse over hidden dominates: one warp was 3x slower
     )  # fmt: skip
     return x
 
@@ -231,8 +236,10 @@ def _hc_post_kernel(
     stride_hn,
     HC: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """new[t, n] = post[t, n] * out[t] + sum_m comb[t, m, n] * h[t, m], rounded as the reference."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dmask = d < D
@@ -269,5 +276,6 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
             HC=n,
             BLOCK=block,
             num_warps=4,
+            **launch_options(out),
         )
     return new

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.quant import INT8_MAX, Int8Weight, Weight
-from dsv4serve.triton_utils import arrival_counters, pow2
+from dsv4serve.triton_utils import arrival_counters, enter, launch_options, pow2
 
 SKINNY_MAX_M = 16
 TARGET_PROGRAMS = 264  # about two per SM of an H200
@@ -34,7 +34,8 @@ def _round_half_even(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, K, BLOCK):
@@ -58,7 +59,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
         _quantize_rows_kernel[(M,)](
-            x, q, s, K, x.stride(0), q.stride(0), BLOCK=min(pow2(K), 4096), num_warps=4
+            x, q, s, K, x.stride(0), q.stride(0), BLOCK=min(pow2(K), 4096), num_warps=4, **launch_options(x)
         )
     assert INT8_MAX == 127.0
     return q, s
@@ -86,10 +87,12 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile over one of SPLITS slices of K. Split partials go to the workspace;
     the tile's last program to finish (an arrival counter per tile, left at zero again) sums them in
     slice order, so the result never depends on which program came last."""
+    enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(2)
@@ -189,7 +192,7 @@ def gemm(
     _gemm_kernel[grid](
         a, w, out, ws, counters, a_scale, w_scale, M, N, K, per_split, a.stride(0), w.stride(0),
         out.stride(0), INT8=int8, FP32=fp32, SPLITS=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch_options(a),
     )  # fmt: skip
     return out
 

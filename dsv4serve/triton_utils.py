@@ -1,9 +1,23 @@
-"""Small shared pieces of the Triton kernels."""
+"""Small shared pieces of the Triton kernels.
+
+Programmatic dependent launch (PDL, Hopper and later): every kernel of the CUDA backend begins with
+`enter(PDL)`, which waits until the kernel before it on the stream has finished and its writes are
+visible (`griddepcontrol.wait`) and then lets the next kernel be launched (`launch_dependents`).
+Launched with `launch_pdl`, a kernel's programs are placed on the SMs while the kernel before it still
+runs and start the moment it ends, instead of after a launch round trip; nothing in a kernel touches
+memory before that wait, so every kernel still sees its predecessors' writes complete and in order.
+Kernels that are not Triton's (cuBLAS, torch) launch as before and wait as before.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 COUNTER_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -23,3 +37,29 @@ def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """A kernel's first statement: under PDL, wait for the kernel before it (its writes visible), then
+    let the next one launch. A no-op without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def launch_options(t: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments of a kernel over `t`'s device: {"PDL": ..., "launch_pdl": ...} (both set
+    on a CUDA device of compute capability 9 or more, unless DSV4SERVE_PDL=0; {"PDL": False} on the
+    CPU and under Triton's interpreter)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t.device) else {"PDL": False}
+
+
+@functools.cache
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (decided once per device)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if os.environ.get("DSV4SERVE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9

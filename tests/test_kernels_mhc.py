@@ -7,6 +7,7 @@ import torch
 
 from dsv4serve import mhc
 from dsv4serve import mhc_triton as kt
+from dsv4serve.triton_utils import launch_options
 from tests.kernel_cases import on_device
 
 PARAMS = mhc.HcParams(mult=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
@@ -109,7 +110,7 @@ def test_mixes_are_fp32_accurate(dtype: torch.dtype) -> None:
     ws = on_device(torch.empty(1, T, kt.MIX_ROWS))
     kt._mix_partials_kernel[(2, 1)](
         h, fn, ws, T, K, K, rows, h.stride(0), BLOCK_T=16, BLOCK_K=128, MIX_ROWS=kt.MIX_ROWS,
-        BF16=dtype == torch.bfloat16, num_warps=4,
+        BF16=dtype == torch.bfloat16, num_warps=4, **launch_options(h),
     )  # fmt: skip
     want = h.double() @ fn.double().T
     err = (ws[0, :, :rows].double() - want).abs().max() / want.abs().max()

@@ -2,8 +2,9 @@
 
 Runs the backend's op wrappers on CPU tensors at DeepSeek-V4-Flash dimensions (and tiny ones) with
 a stand-in driver that reports an sm_90 target and with every launch turned into a compile-only
-warm-up; Triton's own compiler and ptxas do the rest. Catches what the interpreter cannot: code that
-does not lower to PTX, and register spills. Prints one JSON object.
+warm-up, with programmatic dependent launch on as on the H200; Triton's own compiler and ptxas do the
+rest. Catches what the interpreter cannot: code that does not lower to PTX, and register spills.
+Prints one JSON object.
 
     python tools/compile_kernels.py [--tiny]
 """
@@ -90,6 +91,9 @@ def main() -> None:
     driver.set_active(_Sm90Driver())  # type: ignore[arg-type]
     JITFunction.run = _compile_only  # type: ignore[method-assign]
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from dsv4serve import triton_utils
+
+    triton_utils.pdl_enabled = lambda device: True  # type: ignore[assignment]  # as on the H200
     from tools.kernel_shapes import exercise_backend
 
     failures = exercise_backend(tiny=args.tiny)

@@ -21,7 +21,7 @@ import triton.language as tl
 from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.quant import Weight
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import enter, launch_options, pow2
 
 
 @triton.jit
@@ -52,7 +52,9 @@ def _close_windows_kernel(
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     w = tl.program_id(0)
     DTYPE = proj_ptr.dtype.element_ty
     k = tl.load(win_index_ptr + w)
@@ -134,7 +136,9 @@ def _persist_state_kernel(
     proj_stride,
     state_table_stride,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     pos = tl.load(pos_ptr + t)
@@ -202,6 +206,7 @@ def compressor(
             BLOCK_C=max(16, min(pow2(d), 4096 // pow2(coff * ratio))),
             BLOCK_HALF=pow2(win.cos.shape[-1]),
             num_warps=4,
+            **launch_options(proj),
         )
     if T:
         block = min(pow2(width), 1024)
@@ -219,4 +224,5 @@ def compressor(
             state_table.stride(0),
             BLOCK=block,
             num_warps=4,
+            **launch_options(proj),
         )

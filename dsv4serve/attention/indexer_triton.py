@@ -15,7 +15,7 @@ import triton.language as tl
 
 from dsv4serve.attention.core import in_index_order
 from dsv4serve.attention.step import StepMeta
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import enter, launch_options, pow2
 
 BLOCK_J = 32
 
@@ -42,7 +42,9 @@ def _indexer_scores_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
     row = tl.load(row_ptr + t).to(tl.int64)
@@ -105,6 +107,7 @@ def indexer_topk(
         BLOCK_J=BLOCK_J,
         BLOCK_D=pow2(Di, 16),
         num_warps=4,
+        **launch_options(q),
     )
     chosen = sort_keys.topk(k, dim=-1).indices  # (T, k)
     return in_index_order(chosen, chosen < ((meta.positions + 1) // 4)[:, None])

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.attention.mla import QkvLatents
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import enter, launch_options, pow2
 
 
 @triton.jit
@@ -46,7 +46,9 @@ def _split_norm_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = y_ptr + t * stride_y
     if HAS_Q:
@@ -100,5 +102,6 @@ def qkv_split_norm(
             BLOCK_KV=pow2(kv_lora_rank),
             BLOCK_R=pow2(rope),
             num_warps=4,
+            **launch_options(y),
         )
     return QkvLatents(q=q, kv=kv, k_pe=k_pe)

@@ -11,13 +11,16 @@ import triton
 import triton.language as tl
 
 from dsv4serve.attention.step import StepMeta
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import enter, launch_options, pow2
 
 NONE, UNWEIGHTED, WEIGHTED = 0, 1, 2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -35,7 +38,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, n, rows.stride(0), out.stride(0), eps, BLOCK=pow2(n), num_warps=4
+            rows,
+            weight,
+            out,
+            n,
+            rows.stride(0),
+            out.stride(0),
+            eps,
+            BLOCK=pow2(n),
+            num_warps=4,
+            **launch_options(rows),
         )
     return out.view(x.shape)
 
@@ -77,12 +89,14 @@ def _norm_rope_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_R (token, head) rows of D channels: optional norm, then rope on the trailing 2*HALF
     channels (interleaved pairs, read as one contiguous slice and split in registers).
 
     STORE: the row goes to the pool slot table[row[t], pos[t]] (stride_ot is the pool's row stride).
     """
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
@@ -165,6 +179,7 @@ def _launch(
             BLOCK_D=block_d,
             BLOCK_HALF=pow2(half),
             num_warps=4 if block_r * block_d >= 512 else 1,
+            **launch_options(rows),
         )
     return out.view(x.shape) if pool is None else pool
 

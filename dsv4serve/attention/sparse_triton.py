@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.attention.step import StepMeta
-from dsv4serve.triton_utils import arrival_counters, pow2
+from dsv4serve.triton_utils import arrival_counters, enter, launch_options, pow2
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,9 @@ def _sparse_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -242,11 +244,13 @@ def _split_partials_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One chunk of SPLIT keys of one token (window chunks first, then compressed ones): its partial
     softmax state (max, sum, unnormalised output) for a block of heads, without the sink. The last
     of the token's split programs to finish (an arrival counter per (token, heads), left at zero
     again) folds the partials in chunk order into the sink's state and stores the output."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
@@ -403,6 +407,7 @@ def sparse_attention(
         BLOCK_HALF=pow2(cos.shape[-1]),
         num_warps=cfg.num_warps * (2 if q.dtype == torch.float32 and D >= 256 else 1),
         num_stages=cfg.num_stages,
+        **launch_options(q),
     )
     return out
 
@@ -445,4 +450,5 @@ def _split_attention(
         arrival_counters(q.device, T * heads), sinks, out, cos, sin, cos.shape[-1], out.stride(0),
         out.stride(1), cos.stride(0), FP32=fp32, BLOCK_N=cfg.block_n, BLOCK_HALF=pow2(cos.shape[-1]),
         num_warps=cfg.num_warps * (2 if fp32 and D >= 256 else 1), num_stages=cfg.num_stages, **common,
+        **launch_options(q),
     )  # fmt: skip

@@ -17,7 +17,7 @@ import triton.language as tl
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.attention.step import StepMeta, WindowRefs, prepare_step
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import enter, launch_options, pow2
 
 if TYPE_CHECKING:
     from dsv4serve.memory.tables import SlotTables
@@ -47,9 +47,11 @@ def _token_meta_kernel(
     token_row_ptr, mcos_ptr, msin_ptr, ccos_ptr, csin_ptr, keep_ptr,
     T, HALF, RATIO_A, RATIO_B,
     NUM_RATIOS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Per token: its table row, both ropes' cos / sin at its position, and keep_from per ratio
     (keep_ptr: (NUM_RATIOS, T))."""
+    enter(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     req = tl.load(req_ptr + t, mask=tm, other=0)
@@ -72,9 +74,11 @@ def _window_meta_kernel(
     win_req_ptr, win_index_ptr, rows_ptr, cu_ptr, prefix_ptr, comp_cos, comp_sin,
     row_ptr, token0_ptr, wprefix_ptr, cos_ptr, sin_ptr,
     NW, HALF, RATIO, BLOCK_W: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Per closing window of one ratio: its request's table row, first token, cached prefix, and the
     compress rope at the window's first position (index -1, padding: position 0)."""
+    enter(PDL)
     w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
     wm = w < NW
     req = tl.load(win_req_ptr + w, mask=wm, other=0)
@@ -112,6 +116,7 @@ def prepare_step_fused(
             token_row, cos_sin[0], cos_sin[1], cos_sin[2], cos_sin[3], keep,
             T, half, *[*ratios, 1, 1][:2],
             NUM_RATIOS=len(ratios), BLOCK_T=BLOCK, BLOCK_HALF=pow2(half), num_warps=4,
+            **launch_options(batch.token_req),
         )  # fmt: skip
     windows = {}
     for r, win in batch.windows.items():
@@ -122,7 +127,7 @@ def prepare_step_fused(
             _window_meta_kernel[(triton.cdiv(nw, BLOCK),)](
                 win.req, win.index, batch.rows, batch.cu_seqlens, batch.prefix_lens,
                 rope.comp_cos, rope.comp_sin, fields[0], fields[1], fields[2], rot[0], rot[1],
-                nw, half, r, BLOCK_W=BLOCK, BLOCK_HALF=pow2(half), num_warps=4,
+                nw, half, r, BLOCK_W=BLOCK, BLOCK_HALF=pow2(half), num_warps=4, **launch_options(win.req),
             )  # fmt: skip
         windows[r] = WindowRefs(
             row=fields[0], index=win.index, token0=fields[1], prefix=fields[2], cos=rot[0], sin=rot[1]

@@ -19,7 +19,7 @@ import triton.language as tl
 from dsv4serve.moe.experts import gate_up_view, swiglu
 from dsv4serve.quant import Int8Weight, Weight
 from dsv4serve.quant_triton import linear, quantize_rows
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import enter, launch_options, pow2
 
 SMALL_ALIGN = 1024  # at most this many pairs: align in one Triton program instead of a dozen torch ops
 
@@ -39,10 +39,12 @@ def _align_small_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: the (token, slot) pairs sorted by expert (stable), each expert's run padded to
     BLOCK_M; `scratch` (2 * BLOCK_E int32) holds per-expert offsets between the two phases. ids holds K
     per token; SHARED: each token has a (K+1)-th pair, with the shared expert E - 1."""
+    enter(PDL)
     i = tl.arange(0, BLOCK_N)
     valid = i < N
     if SHARED:
@@ -95,6 +97,7 @@ def align(
         _align_small_kernel[(1,)](
             flat, pairs, block_expert, scratch, n, num_experts, k, max_blocks,
             SHARED=shared, BLOCK_M=block_m, BLOCK_N=pow2(n, 16), BLOCK_E=bins, CHUNK=64, num_warps=4,
+            **launch_options(flat),
         )  # fmt: skip
         return pairs, block_expert
     if shared:
@@ -171,7 +174,9 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     DTYPE = h_ptr.dtype.element_ty
@@ -239,7 +244,9 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     DTYPE = y_ptr.dtype.element_ty
@@ -276,7 +283,8 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_slots_kernel(y_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < HIDDEN
@@ -344,7 +352,7 @@ def grouped_mm_experts(
     block = min(pow2(x.shape[1]), 1024)
     _sum_pairs_kernel[(T, triton.cdiv(x.shape[1], block))](
         y, where, weights.contiguous(), out, out if extra is None else extra, x.shape[1], TOPK=k,
-        HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4,
+        HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4, **launch_options(y),
     )  # fmt: skip
     return out
 
@@ -356,15 +364,16 @@ def _swiglu_rows(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     h = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
     block = min(pow2(inter), 1024)
     _swiglu_kernel[(rows, triton.cdiv(inter, block))](
-        gate, up, h, inter, gate.stride(0), limit, BLOCK=block, num_warps=4
+        gate, up, h, inter, gate.stride(0), limit, BLOCK=block, num_warps=4, **launch_options(gate)
     )
     return h
 
 
 @triton.jit
-def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, INTER, stride_in, limit, BLOCK: tl.constexpr):
+def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, INTER, stride_in, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """h = silu(min(gate, limit)) * clamp(up, -limit, limit), each step rounded to the dtype as torch
     rounds the separate ops."""
+    enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < INTER
@@ -381,9 +390,11 @@ def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, INTER, stride_in, limit, BLOCK: tl.c
 def _sum_pairs_kernel(
     y_ptr, where_ptr, w_ptr, out_ptr, extra_ptr, HIDDEN, TOPK: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t] = sum over slots j, in order, of y[where[t, j]] * w[t, j] (each product rounded), then
     (rounded) + extra[t] if HAS_EXTRA (the shared expert's output)."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < HIDDEN
@@ -462,7 +473,7 @@ def routed_experts(
         ss3 if int8 else a, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
         a.stride(0), q1.stride(0), q3.stride(0), limit,
         INT8=int8, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=3,
+        num_warps=warps, num_stages=3, **launch_options(a),
     )  # fmt: skip
     a2, a2_scale = quantize_rows(h) if int8 else (h, h)
     q2, s2 = _parts(w2)
@@ -473,9 +484,11 @@ def routed_experts(
         a2, a2_scale, q2, s2 if int8 else a2, sq2, ss2 if int8 else a2, pairs, block_expert,
         weights.contiguous(), y, num_pairs, num_experts, routed, hidden, inter, q2.stride(0),
         INT8=int8, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=3,
+        num_warps=warps, num_stages=3, **launch_options(a2),
     )  # fmt: skip
     out = torch.empty_like(x)
     block = min(pow2(hidden), 1024)
-    _sum_slots_kernel[(T, triton.cdiv(hidden, block))](y, out, hidden, TOPK=top_k, BLOCK=block, num_warps=4)
+    _sum_slots_kernel[(T, triton.cdiv(hidden, block))](
+        y, out, hidden, TOPK=top_k, BLOCK=block, num_warps=4, **launch_options(y)
+    )
     return out

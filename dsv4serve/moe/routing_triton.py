@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4serve.triton_utils import pow2
+from dsv4serve.triton_utils import enter, launch_options, pow2
 
 
 @triton.jit
@@ -83,7 +83,9 @@ def _gating_top_k_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     DTYPE = logits_ptr.dtype.element_ty
     x = tl.arange(0, BLOCK_E)
@@ -151,6 +153,6 @@ def gating_top_k(
         weights, ids, E, x.stride(0), routed_scaling_factor, eps,
         K=k, NORM_TYPE=norm_type, HASH=hashed, HAS_BIAS=bias is not None, GROUPS=group_count,
         K_GROUP=k_group, SELECT_MODE=group_select_mode, BLOCK_E=pow2(E, 16), BLOCK_G=pow2(group_count, 2),
-        BLOCK_K=pow2(k, 2), num_warps=4,
+        BLOCK_K=pow2(k, 2), num_warps=4, **launch_options(x),
     )  # fmt: skip
     return weights, ids
