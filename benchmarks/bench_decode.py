@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from dsv4serve.attention.metadata import BatchItem, build_forward_batch
-from dsv4serve.bench import TIMED, CoreDriver, device_idle, sync
+from dsv4serve.bench import TIMED, CoreDriver, device_idle, stack_options, sync
 from dsv4serve.config import EngineConfig, ModelConfig
 from dsv4serve.executor.graphs import _Graph
 from dsv4serve.executor.runner import ModelRunner
@@ -346,7 +346,7 @@ def profile_step(
     activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if idle else [])]
     try:
         run()
-        with profile(activities=activities, with_stack=idle) as prof:
+        with profile(activities=activities, **(stack_options() if idle else {})) as prof:
             run()
     finally:
         core.runner.graphs = graphs

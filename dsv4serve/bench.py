@@ -118,6 +118,14 @@ class CoreDriver:
             self.last.pop(rid, None)
 
 
+def stack_options() -> dict[str, Any]:
+    """The torch profiler's arguments that record each host op's Python stack (`device_idle`'s
+    `launched_from`): with_stack alone left every event's stack empty (torch 2.13 on the CPU, and
+    the H200's 2.11 in run 50)."""
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)
+    return {"with_stack": True, "experimental_config": verbose}
+
+
 def device_idle(events: Iterable[Any], top: int = 8) -> dict[str, Any]:
     """Where the device waits inside a profiled step's timed part (the first `TIMED` range of a torch
     profiler trace: `prof.events()`): the host's lead-in before the first device op and before the

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsv4serve.bench import TIMED, device_idle
+from dsv4serve.bench import TIMED, device_idle, stack_options
 from dsv4serve.cli import main
 
 
@@ -127,3 +127,14 @@ def test_device_idle_finds_the_timed_steps_lead_in_and_gaps() -> None:
 def test_device_idle_says_what_is_missing() -> None:
     assert "error" in device_idle([_event("CUDA", "k", 0, 1)])
     assert "error" in device_idle([_event("CPU", TIMED, 5, 10), _event("CUDA", "k", 20, 30)])
+
+
+def test_stack_options_record_python_frames() -> None:
+    """A profile with `stack_options` carries each op's Python frames (what `launched_from` reads)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], **stack_options()) as prof:
+        torch.ones(4, 4).mm(torch.ones(4, 4))
+    stacks = [e.stack for e in prof.events() if e.name == "aten::mm"]
+    assert stacks and any("test_cli_bench.py" in frame for frame in stacks[0]), stacks
