@@ -5,12 +5,14 @@ small steps with and without splitting the keys over programs, and the mHC pre-m
 prefill. Prints one JSON object: median ms per variant, with the variant the package uses now marked
 "current".
 
-    python benchmarks/bench_kernels.py [--mhc | --moe | --gemv | --launch | --prefill | --grouped-mm]
+    python benchmarks/bench_kernels.py [--mhc | --moe | --gemv | --launch | --prefill | --grouped-mm | --pdl]
 
 Each option runs one sweep only. --gemv: the decode projections' GEMMs at 1 and 8 rows, per tile, in
 us and GB/s of weight read; --launch: a CUDA graph launch's host time and when the device starts its
 work; --prefill: the 8 x 1024 attention and mHC sweeps; --grouped-mm: the prefill experts' GEMMs in
-torch._grouped_mm against torch.compile's max-autotune Triton templates.
+torch._grouped_mm against torch.compile's max-autotune Triton templates; --pdl: chains of Triton
+kernels in a CUDA graph without and with programmatic dependent launch (each kernel waits for the one
+before it, then lets the next launch).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4serve import mhc, mhc_triton
 from dsv4serve.attention import core, norm_rope_triton, sparse_triton
@@ -322,6 +326,98 @@ def launch_sweep() -> dict[str, Any]:
     return out
 
 
+@triton.jit
+def _chain_kernel(x_ptr, y_ptr, N, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < N)
+    tl.store(y_ptr + i, x * 0.999 + 1.0, mask=i < N)
+
+
+@triton.jit
+def _gemv_kernel(
+    a_ptr, w_ptr, o_ptr, N, K, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if EARLY:  # the weights never change: their first tile may be read before the wait
+        w0 = tl.load(w_ptr + n[:, None] * K + kk[None, :])
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    start = 0
+    if EARLY:
+        a0 = tl.load(a_ptr + m[:, None] * K + kk[None, :], mask=(m < 1)[:, None], other=0.0)
+        acc += tl.dot(a0, tl.trans(w0))
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
+        k = k0 + kk
+        a = tl.load(a_ptr + m[:, None] * K + k[None, :], mask=(m < 1)[:, None], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :])
+        acc += tl.dot(a, tl.trans(w))
+    tl.store(o_ptr + m[:, None] * N + n[None, :], acc.to(tl.bfloat16), mask=(m < 1)[:, None])
+
+
+def pdl_elementwise_chains() -> dict[str, Any]:
+    """120 dependent elementwise kernels (4 and 132 programs each) in one CUDA graph, without and with
+    PDL: ms per replay, and the chain's result (equal with and without)."""
+    out: dict[str, Any] = {}
+    for n in (4096, 132 * 1024):
+        bufs = [torch.randn(n, device="cuda") for _ in range(2)]
+        for pdl in (False, True):
+
+            def chain(pdl: bool = pdl, n: int = n, bufs: list[torch.Tensor] = bufs) -> None:
+                for i in range(120):
+                    _chain_kernel[(triton.cdiv(n, 1024),)](
+                        bufs[i % 2], bufs[1 - i % 2], n, PDL=pdl, BLOCK=1024, num_warps=4, launch_pdl=pdl
+                    )
+
+            key = f"elementwise120_n{n}_pdl{int(pdl)}"
+            graph = captured(chain, 1)
+            out[key + "_ms"] = timed(graph.replay, 20)
+            bufs[0].fill_(1.0)
+            graph.replay()
+            out[key + "_sum"] = round(float(bufs[0].sum()), 3)
+    return out
+
+
+def pdl_gemv_chains() -> dict[str, Any]:
+    """12 one-row GEMVs over distinct bf16 weights (six 32768 x 1024, six 4096 x 8192: 604 MB, more
+    than the L2 holds), a 4-program kernel after each, in one CUDA graph: without PDL, with it, and
+    with each GEMV program's first weight tile loaded before its wait."""
+    out: dict[str, Any] = {}
+    ws = [torch.randn(32768, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+    ws += [torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+    xs = [torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    outs = [torch.empty(1, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
+    tmp = torch.empty(4096, device="cuda")
+    results = []
+    for pdl, early in ((False, False), (True, False), (True, True)):
+
+        def chain(pdl: bool = pdl, early: bool = early) -> None:
+            for i, (w, o) in enumerate(zip(ws, outs, strict=True)):
+                n, k = w.shape
+                _gemv_kernel[(n // 32,)](
+                    xs[i % 2], w, o, n, k, PDL=pdl, EARLY=early, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+                    num_warps=4, num_stages=4, launch_pdl=pdl,
+                )  # fmt: skip
+                _chain_kernel[(4,)](tmp, tmp, 4096, PDL=pdl, BLOCK=1024, num_warps=4, launch_pdl=pdl)
+
+        key = f"gemv12_pdl{int(pdl)}_early{int(early)}"
+        graph = captured(chain, 1)
+        out[key + "_ms"] = timed(graph.replay, 20)
+        out[key + "_tb_s"] = round(sum(w.numel() * 2 for w in ws) / (out[key + "_ms"] * 1e-3) / 1e12, 2)
+        graph.replay()
+        results.append(torch.cat([o.float() for o in outs], 1))
+    out["gemv_variants_equal"] = all(torch.equal(r, results[0]) for r in results)
+    return out
+
+
 def main() -> None:
     if sys.argv[1:] == ["--prefill"]:
         report = {
@@ -339,6 +435,10 @@ def main() -> None:
         return
     if sys.argv[1:] == ["--launch"]:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "graph_launch": launch_sweep()}))
+        return
+    if sys.argv[1:] == ["--pdl"]:
+        report = {"gpu": torch.cuda.get_device_name(), **pdl_elementwise_chains(), **pdl_gemv_chains()}
+        print(json.dumps(report))
         return
     if sys.argv[1:] == ["--gemv"]:
         report = {"gpu": torch.cuda.get_device_name(), "gemv_m1": gemv_sweep(1), "gemv_m8": gemv_sweep(8)}

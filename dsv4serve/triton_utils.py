@@ -52,7 +52,10 @@ def launch_options(t: torch.Tensor) -> dict[str, bool]:
     """The launch arguments of a kernel over `t`'s device: {"PDL": ..., "launch_pdl": ...} (both set
     on a CUDA device of compute capability 9 or more, unless DSV4SERVE_PDL=0; {"PDL": False} on the
     CPU and under Triton's interpreter)."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t.device) else {"PDL": False}
+    return _PDL_ON if pdl_enabled(t.device) else _PDL_OFF
+
+
+_PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # read-only: callers unpack them
 
 
 @functools.cache
