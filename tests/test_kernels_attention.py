@@ -10,7 +10,7 @@ import torch
 
 from dsv4serve.attention import reference
 from dsv4serve.attention import sparse_triton as kt
-from tests.kernel_cases import Case, make_case, on_device
+from tests.kernel_cases import Case, kernel_model, make_case, on_device
 
 STEPS = [
     [(0, 9), (20, 1), (3, 5), (47, 1)],  # chunks after a cached prefix, decodes, windows crossing pages
@@ -72,3 +72,30 @@ def test_sparse_attention_bf16_close_to_fp32_reference(path: str) -> None:
     got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
     assert got.dtype == torch.bfloat16
     assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 16])
+@pytest.mark.parametrize("split", [False, True])
+def test_sparse_attention_slot_blocks_of_several_tiles(
+    ratio: int, split: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window of 40 keys in 16-key tiles: each walk gathers the slots of several tiles at once (4
+    tiles per block whole, 2 per 32-key split), the last tile of a block part-filled, and a token's
+    70 picks spread over two blocks."""
+    monkeypatch.setattr(kt, "SPLIT_TOKENS", 1 << 20 if split else 0)
+    monkeypatch.setattr(kt, "SPLIT_CONFIG", kt.AttentionConfig(block_n=16, split=32))
+    monkeypatch.setattr(kt, "CONFIG", kt.AttentionConfig(block_n=16))
+    case = make_case(9, [(0, 9), (300, 1), (150, 2), (61, 3)], page_size=4, poison=True,
+                     cfg=kernel_model(sliding_window=40))  # fmt: skip
+    layer = case.cfg.compress_ratios.index(ratio)
+    T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
+    gen = torch.Generator().manual_seed(10)
+    q = on_device(torch.randn(T, H, D, generator=gen))
+    sinks = on_device(torch.randn(H, generator=gen))
+    swa = case.pools.swa[layer].view(-1, D)
+    cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D) if ratio else None
+    idx = _indices(case, gen, 70) if ratio == 4 else None
+    ref = reference.sparse_attention(q, swa, cmp, idx, case.ref, sinks, D**-0.5, ratio)
+    got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, ratio)
+    assert not ref.isnan().any()
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
