@@ -44,7 +44,7 @@ class AttentionConfig:
 SPLIT_CONFIG = AttentionConfig(split=64)  # steps of at most SPLIT_TOKENS tokens (the H200 sweep, run 9)
 SPLIT_TOKENS = 16
 CONFIG = AttentionConfig()  # decode-sized steps: many programs per token (latency)
-# one key tile serves all heads; 64-key tiles since the slots are gathered up front (H200 run 52: 8 x 1024
+# one key tile serves all heads; 64-key tiles since the slots are gathered up front (H200 run 54: 8 x 1024
 # window-only 1.12 vs 1.24 ms with 32-key tiles, ratio 4 2.13 vs 2.31)
 PREFILL_CONFIG = AttentionConfig(block_h=64, block_n=64, num_warps=8)
 PREFILL_TOKENS = 64  # steps with more tokens than this use PREFILL_CONFIG (the H200 sweep's best)
