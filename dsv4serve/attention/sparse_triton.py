@@ -28,6 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4serve.attention.sparse_walks_triton import (
+    attend_entries,
+    attend_window,
+    num_entries,
+    store_rotated_back,
+)
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.triton_utils import arrival_counters, enter, launch_options, pow2
 
@@ -49,125 +55,6 @@ CONFIG = AttentionConfig()  # decode-sized steps: many programs per token (laten
 PREFILL_CONFIG = AttentionConfig(block_h=64, block_n=64, num_warps=8)
 PREFILL_TOKENS = 64  # steps with more tokens than this use PREFILL_CONFIG (the H200 sweep's best)
 NO_MAX = -1e30  # the running max of a split that saw no key (finite: exp(NO_MAX - m) is 0, not NaN)
-
-
-@triton.jit
-def _attend(q, acc, m, s_sum, pool_ptr, slot, valid, d, dmask, D, scale, FP32: tl.constexpr):
-    """One tile of keys (BLOCK_N rows, gathered by slot) into the online softmax state."""
-    k = tl.load(
-        pool_ptr + slot.to(tl.int64)[:, None] * D + d[None, :],
-        mask=valid[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    k = k.to(q.dtype)
-    if FP32:
-        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-    else:
-        logits = tl.dot(q, tl.trans(k)) * scale
-    logits = tl.where(valid[None, :], logits, float("-inf"))  # (BLOCK_H, BLOCK_N)
-    m_new = tl.maximum(m, tl.max(logits, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(logits - m_new[:, None])
-    s_sum = s_sum * alpha + tl.sum(p, axis=1)
-    if FP32:
-        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-    return acc, m_new, s_sum
-
-
-@triton.jit
-def _num_entries(pos, RATIO, NUM_IDX, HAS_CMP: tl.constexpr, HAS_IDX: tl.constexpr):
-    """How many compressed entries a token at `pos` attends to: its indexer's picks or every visible
-    one; 0 on a window-only layer. A token's picks are distinct visible entries, (pos + 1) // RATIO at
-    most, packed before the padding (-1): nothing past that many is a pick, so it is never walked."""
-    n = pos * 0
-    if HAS_CMP:
-        n = (pos + 1) // RATIO
-        if HAS_IDX:
-            n = tl.minimum(n, NUM_IDX)
-    return n
-
-
-@triton.jit
-def _slot_tile(slots, i, NT: tl.constexpr):
-    """Row i of a (NT, BLOCK_N) block of slots (-1: no key), as a vector: the tile's keys."""
-    return tl.sum(tl.where(tl.arange(0, NT)[:, None] == i, slots, 0), axis=0)
-
-
-@triton.jit
-def _attend_tiles(
-    q, acc, m, s_sum, pool_ptr, slots, n, d, dmask, D, scale, FP32: tl.constexpr, BLOCK_N: tl.constexpr,
-    NT: tl.constexpr,
-):  # fmt: skip
-    """The first n (<= NT * BLOCK_N) keys of a block of slots gathered up front into the softmax
-    state: no key's address waits on a load inside the loop, so the pipeliner fetches the next tile
-    while this one computes."""
-    for i in range(0, tl.cdiv(n, BLOCK_N)):
-        slot = _slot_tile(slots, i, NT)
-        acc, m, s_sum = _attend(q, acc, m, s_sum, pool_ptr, tl.maximum(slot, 0), slot >= 0, d, dmask, D,
-                                scale, FP32)  # fmt: skip
-    return acc, m, s_sum
-
-
-@triton.jit
-def _tile_offsets(lo, NT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """lo + 0 .. NT * BLOCK_N - 1 as NT rows of BLOCK_N."""
-    return lo + tl.arange(0, NT)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-
-
-@triton.jit
-def _attend_window(
-    q, acc, m, s_sum, swa_ptr, swa_table, row, swa_tstride, start, lo, hi, d, dmask, D, scale,
-    FP32: tl.constexpr, BLOCK_N: tl.constexpr, NT: tl.constexpr,
-):  # fmt: skip
-    """Window keys lo .. hi (hi - lo <= NT * BLOCK_N; raw positions from `start`) into the softmax
-    state."""
-    j = _tile_offsets(lo, NT, BLOCK_N)
-    slots = tl.load(swa_table + row * swa_tstride + start + j, mask=j < hi, other=0)
-    slots = tl.where(j < hi, slots, -1)
-    return _attend_tiles(q, acc, m, s_sum, swa_ptr, slots, hi - lo, d, dmask, D, scale, FP32, BLOCK_N, NT)
-
-
-@triton.jit
-def _attend_entries(
-    q, acc, m, s_sum, cmp_ptr, cmp_table, row, cmp_tstride, idx_row_ptr, lo, hi, d, dmask, D, scale,
-    FP32: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK_N: tl.constexpr, NT: tl.constexpr,
-):  # fmt: skip
-    """Compressed entries lo .. hi (the token's picks from `idx_row_ptr`, -1 = none, or the entries
-    lo .. hi - 1 themselves) into the softmax state, NT tiles' slots gathered at a time."""
-    for c0 in range(lo, hi, NT * BLOCK_N):
-        c = _tile_offsets(c0, NT, BLOCK_N)
-        if HAS_IDX:
-            entry = tl.load(idx_row_ptr + c, mask=c < hi, other=-1)
-        else:
-            entry = tl.where(c < hi, c, -1)
-        slots = tl.load(cmp_table + row * cmp_tstride + entry, mask=entry >= 0, other=0)
-        slots = tl.where(entry >= 0, slots, -1)
-        n = tl.minimum(hi - c0, NT * BLOCK_N)
-        acc, m, s_sum = _attend_tiles(q, acc, m, s_sum, cmp_ptr, slots, n, d, dmask, D, scale, FP32, BLOCK_N,
-                                      NT)  # fmt: skip
-    return acc, m, s_sum
-
-
-@triton.jit
-def _store_rotated_back(
-    dst, out, hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Store a (heads, D) output tile with its rope slice (the last HALF (even, odd) pairs) rotated
-    back by -pos from the rounded output, as the reference does. The pairs are split in registers:
-    storing the tile and reloading the slice cost ~0.4 ms per 8 x 1024 prefill layer on the H200."""
-    o = out.to(dst.dtype.element_ty).to(tl.float32)
-    xe, xo = tl.split(tl.reshape(o, (BLOCK_H, BLOCK_D // 2, 2)))
-    i = tl.arange(0, BLOCK_D // 2) - (D // 2 - HALF)  # the pair's index in the rope slice
-    rope = (i >= 0) & (i < HALF)
-    c = tl.load(cos_ptr + t * stride_cos + i, mask=rope, other=1.0)[None, :]
-    s = -tl.load(sin_ptr + t * stride_cos + i, mask=rope, other=0.0)[None, :]
-    ye = tl.where(rope[None, :], xe * c - xo * s, xe)
-    yo = tl.where(rope[None, :], xo * c + xe * s, xo)
-    o = tl.reshape(tl.join(ye, yo), (BLOCK_H, BLOCK_D))
-    tl.store(dst + d[None, :], o.to(dst.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -223,15 +110,15 @@ def _sparse_attention_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     n_win = tl.minimum(W, pos + 1)  # window: raw positions pos - n_win + 1 .. pos
     start = pos + 1 - n_win
-    acc, m, s_sum = _attend_window(q, acc, m, s_sum, swa_ptr, swa_table, row, swa_tstride, start, 0, n_win,
+    acc, m, s_sum = attend_window(q, acc, m, s_sum, swa_ptr, swa_table, row, swa_tstride, start, 0, n_win,
                                    d, dmask, D, scale, FP32, BLOCK_N, NT)  # fmt: skip
     if HAS_CMP:
-        n_cmp = _num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
-        acc, m, s_sum = _attend_entries(q, acc, m, s_sum, cmp_ptr, cmp_table, row, cmp_tstride,
+        n_cmp = num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
+        acc, m, s_sum = attend_entries(q, acc, m, s_sum, cmp_ptr, cmp_table, row, cmp_tstride,
                                         idx_ptr + t * stride_idx, 0, n_cmp, d, dmask, D, scale, FP32,
                                         HAS_IDX, BLOCK_N, NT)  # fmt: skip
     dst = out_ptr + t * stride_ot + h[:, None] * stride_oh
-    _store_rotated_back(dst, acc / s_sum[:, None], hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF,
+    store_rotated_back(dst, acc / s_sum[:, None], hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF,
                         BLOCK_H, BLOCK_D)  # fmt: skip
 
 
@@ -293,7 +180,7 @@ def _split_partials_kernel(
     pos = tl.load(pos_ptr + t)
     n_win = tl.minimum(W, pos + 1)  # window: raw positions pos - n_win + 1 .. pos
     start = pos + 1 - n_win
-    n_cmp = _num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
+    n_cmp = num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
     is_win = sp < WIN_SPLITS
     lo = tl.where(is_win, sp, sp - WIN_SPLITS) * SPLIT
     n = tl.where(is_win, n_win, n_cmp)
@@ -306,10 +193,10 @@ def _split_partials_kernel(
         hi = tl.minimum(lo + SPLIT, n)
         nt: tl.constexpr = SPLIT // BLOCK_N  # a split's tiles: one block of slots
         if is_win:
-            acc, m, s_sum = _attend_window(q, acc, m, s_sum, swa_ptr, swa_table, row, swa_tstride, start, lo,
+            acc, m, s_sum = attend_window(q, acc, m, s_sum, swa_ptr, swa_table, row, swa_tstride, start, lo,
                                            hi, d, dmask, D, scale, FP32, BLOCK_N, nt)  # fmt: skip
         else:
-            acc, m, s_sum = _attend_entries(q, acc, m, s_sum, cmp_ptr, cmp_table, row, cmp_tstride,
+            acc, m, s_sum = attend_entries(q, acc, m, s_sum, cmp_ptr, cmp_table, row, cmp_tstride,
                                             idx_ptr + t * stride_idx, lo, hi, d, dmask, D, scale, FP32,
                                             HAS_IDX, BLOCK_N, nt)  # fmt: skip
         r = ((sp * T + t) * H + h).to(tl.int64)
@@ -354,13 +241,13 @@ def _combine(
     for sp in range(0, tl.cdiv(n_win, SPLIT)):
         acc, m, s_sum = _fold_split(acc, m, s_sum, acc_ptr, ml_ptr, sp, T, t, H, h, hmask, d, dmask, D)
     if HAS_CMP:
-        n_cmp = _num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
+        n_cmp = num_entries(pos, RATIO, NUM_IDX, HAS_CMP, HAS_IDX)
         for c in range(0, tl.cdiv(n_cmp, SPLIT)):
             acc, m, s_sum = _fold_split(
                 acc, m, s_sum, acc_ptr, ml_ptr, WIN_SPLITS + c, T, t, H, h, hmask, d, dmask, D
             )
     dst = out_ptr + t * stride_ot + h[:, None] * stride_oh
-    _store_rotated_back(dst, acc / s_sum[:, None], hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF,
+    store_rotated_back(dst, acc / s_sum[:, None], hmask, d, dmask, cos_ptr, sin_ptr, t, stride_cos, D, HALF,
                         BLOCK_H, BLOCK_D)  # fmt: skip
 
 
