@@ -74,19 +74,20 @@ def test_sparse_attention_bf16_close_to_fp32_reference(path: str) -> None:
     assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("head_dim", [64, 48])
 @pytest.mark.parametrize("ratio", [0, 4, 16])
 @pytest.mark.parametrize("split", [False, True])
 def test_sparse_attention_slot_blocks_of_several_tiles(
-    ratio: int, split: bool, monkeypatch: pytest.MonkeyPatch
+    head_dim: int, ratio: int, split: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A window of 40 keys in 16-key tiles: each walk gathers the slots of several tiles at once (4
-    tiles per block whole, 2 per 32-key split), the last tile of a block part-filled, and a token's
-    70 picks spread over two blocks."""
+    """A window of 40 keys in 16-key tiles, each walk gathering the slots of a block of tiles at once:
+    4 tiles per block whole, 2 per 32-key split, the last tile of a block part-filled, a token's 70
+    picks over two blocks. head_dim 48 leaves the epilogue's tile wider than the head."""
     monkeypatch.setattr(kt, "SPLIT_TOKENS", 1 << 20 if split else 0)
     monkeypatch.setattr(kt, "SPLIT_CONFIG", kt.AttentionConfig(block_n=16, split=32))
     monkeypatch.setattr(kt, "CONFIG", kt.AttentionConfig(block_n=16))
-    case = make_case(9, [(0, 9), (300, 1), (150, 2), (61, 3)], page_size=4, poison=True,
-                     cfg=kernel_model(sliding_window=40))  # fmt: skip
+    cfg = kernel_model(sliding_window=40, head_dim=head_dim)
+    case = make_case(9, [(0, 9), (300, 1), (150, 2), (61, 3)], page_size=4, poison=True, cfg=cfg)
     layer = case.cfg.compress_ratios.index(ratio)
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
     gen = torch.Generator().manual_seed(10)
@@ -99,3 +100,36 @@ def test_sparse_attention_slot_blocks_of_several_tiles(
     got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, ratio)
     assert not ref.isnan().any()
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 16])
+def test_sparse_attention_prefill_tiles_bf16(ratio: int) -> None:
+    """A bf16 step of more than PREFILL_TOKENS tokens takes PREFILL_CONFIG (all heads per program,
+    64-key tiles, slot blocks of several tiles) and stays close to the fp32 reference."""
+    case = make_case(11, [(0, 70), (200, 3), (40, 1)], page_size=8, dtype="bfloat16",
+                     cfg=kernel_model(sliding_window=100))  # fmt: skip
+    assert case.batch.num_tokens > kt.PREFILL_TOKENS
+    layer = case.cfg.compress_ratios.index(ratio)
+    T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
+    gen = torch.Generator().manual_seed(12)
+    q = on_device(torch.randn(T, H, D, generator=gen).bfloat16())
+    sinks = on_device(torch.randn(H, generator=gen))
+    swa = case.pools.swa[layer].view(-1, D)
+    cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D) if ratio else None
+    idx = _indices(case, gen, 60) if ratio == 4 else None
+    ref = reference.sparse_attention(
+        q.float(), swa.float(), None if cmp is None else cmp.float(), idx, case.ref, sinks, D**-0.5, ratio
+    )
+    got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, ratio)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_split_of_tiles_not_a_power_of_two_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kt, "SPLIT_TOKENS", 1 << 20)
+    monkeypatch.setattr(kt, "SPLIT_CONFIG", kt.AttentionConfig(block_n=16, split=48))
+    case = make_case(5, STEPS[0], page_size=4)
+    T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
+    q, sinks = on_device(torch.randn(T, H, D)), on_device(torch.randn(H))
+    with pytest.raises(AssertionError, match="48"):
+        kt.sparse_attention(q, case.pools.swa[0].view(-1, D), None, None, case.fused, sinks, D**-0.5, 0)

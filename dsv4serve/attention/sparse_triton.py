@@ -17,7 +17,8 @@ partials into the sink's state in chunk order (one launch). One program per (tok
 leave the GPU nearly idle at batch 1.
 
 Each token's keys are visited in one fixed order with fixed tiles, so its output does not depend on
-what else is in the batch (beyond whether the step is small enough to split).
+what else is in the batch (beyond the step's size class: small enough to split, or large enough for
+the prefill tiles of 64 keys, bf16 only).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class AttentionConfig:
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    split: int = 0  # keys per split program (a multiple of block_n); 0: one program walks all keys
+    split: int = 0  # keys per split program (block_n times a power of two); 0: one program walks all keys
 
 
 SPLIT_CONFIG = AttentionConfig(split=64)  # steps of at most SPLIT_TOKENS tokens (the H200 sweep, run 9)
@@ -263,6 +264,7 @@ def sparse_attention(
 ) -> torch.Tensor:
     T, H, D = q.shape
     assert q.stride(-1) == 1 and swa.is_contiguous() and swa.shape[-1] == D
+    assert D % 2 == 0, "the epilogue rotates (even, odd) pairs: head_dim must be even"
     assert sinks.shape == (H,) and sinks.is_contiguous()
     out = torch.empty_like(q)
     if T == 0:
@@ -351,7 +353,8 @@ def _split_attention(
     """The split-keys path: a fixed grid (host-known bounds on the window and the compressed entries),
     so a captured decode step replays it whatever its positions."""
     T, H, D = q.shape
-    assert cfg.split % cfg.block_n == 0
+    tiles = cfg.split // cfg.block_n  # a split's keys are one block of slots: a power of two of tiles
+    assert cfg.split % cfg.block_n == 0 and tiles & (tiles - 1) == 0, (cfg.split, cfg.block_n)
     cos, sin = meta.rope[ratio > 0]
     tables = meta.tables
     win_splits = triton.cdiv(meta.sliding_window, cfg.split)
