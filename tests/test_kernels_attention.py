@@ -43,17 +43,20 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 @pytest.mark.parametrize("ratio", [0, 4, 16])
 @pytest.mark.parametrize("poison", [False, True])
 def test_sparse_attention_matches_reference(steps: list, ratio: int, poison: bool, path: str) -> None:
-    case = make_case(5, steps, page_size=4, poison=poison)
+    _check_fp32(make_case(5, steps, page_size=4, poison=poison), ratio, topk=40, seed=6)
+
+
+def _check_fp32(case: Case, ratio: int, topk: int, seed: int) -> None:
+    """The kernel against the reference on one layer of `case` (random fp32 queries and sinks; at
+    ratio 4, `topk` random picks per token)."""
     layer = case.cfg.compress_ratios.index(ratio)
     T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
-    gen = torch.Generator().manual_seed(6)
+    gen = torch.Generator().manual_seed(seed)
     q = on_device(torch.randn(T, H, D, generator=gen))
     sinks = on_device(torch.randn(H, generator=gen))
     swa = case.pools.swa[layer].view(-1, D)
-    cmp = None
-    if ratio:
-        cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D)
-    idx = _indices(case, gen, 40) if ratio == 4 else None
+    cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D) if ratio else None
+    idx = _indices(case, gen, topk) if ratio == 4 else None
     ref = reference.sparse_attention(q, swa, cmp, idx, case.ref, sinks, D**-0.5, ratio)
     got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, ratio)
     assert not ref.isnan().any()
@@ -88,18 +91,7 @@ def test_sparse_attention_slot_blocks_of_several_tiles(
     monkeypatch.setattr(kt, "CONFIG", kt.AttentionConfig(block_n=16))
     cfg = kernel_model(sliding_window=40, head_dim=head_dim)
     case = make_case(9, [(0, 9), (300, 1), (150, 2), (61, 3)], page_size=4, poison=True, cfg=cfg)
-    layer = case.cfg.compress_ratios.index(ratio)
-    T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
-    gen = torch.Generator().manual_seed(10)
-    q = on_device(torch.randn(T, H, D, generator=gen))
-    sinks = on_device(torch.randn(H, generator=gen))
-    swa = case.pools.swa[layer].view(-1, D)
-    cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D) if ratio else None
-    idx = _indices(case, gen, 70) if ratio == 4 else None
-    ref = reference.sparse_attention(q, swa, cmp, idx, case.ref, sinks, D**-0.5, ratio)
-    got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, ratio)
-    assert not ref.isnan().any()
-    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    _check_fp32(case, ratio, topk=70, seed=10)
 
 
 @pytest.mark.parametrize("ratio", [0, 4, 16])
