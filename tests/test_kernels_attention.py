@@ -96,15 +96,15 @@ def test_sparse_attention_slot_blocks_of_several_tiles(
 
 @pytest.mark.parametrize("ratio", [4, 16])
 def test_whole_kernel_entries_over_several_slot_blocks(ratio: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-program-per-token kernel with slot blocks of 16 entries (the 12-key window in 8-key
-    tiles: 2 tiles per block): at 301 tokens of context ratio 16 gives 18 entries (a full block and 2
-    over), ratio 4 up to 70 picks (5 blocks); the tokens at 150-152 fill most of one block (9 entries),
-    those at 61-63 hold 3-4."""
+    """The one-program-per-token kernel with slot blocks of 32 entries (the 24-key window in 16-key
+    tiles, the smallest a GPU's tl.dot takes: 2 tiles per block): at 601 tokens of context ratio 16
+    gives 37 entries (a full block and 5 over), ratio 4 up to 70 picks (3 blocks); the tokens at
+    300-302 fill most of one block (18-19 entries), those at 61-63 hold 3-4."""
     monkeypatch.setattr(kt, "SPLIT_TOKENS", 0)
-    monkeypatch.setattr(kt, "CONFIG", kt.AttentionConfig(block_n=8))
-    case = make_case(17, [(300, 1), (150, 2), (61, 3)], page_size=4, poison=True)
-    assert case.cfg.sliding_window == 12
-    assert (case.batch.positions.max().item() + 1) // 16 > 16  # more HCA entries than one block holds
+    monkeypatch.setattr(kt, "CONFIG", kt.AttentionConfig(block_n=16))
+    cfg = kernel_model(sliding_window=24)
+    case = make_case(17, [(600, 1), (300, 2), (61, 3)], page_size=4, poison=True, cfg=cfg)
+    assert (case.batch.positions.max().item() + 1) // 16 > 32  # more HCA entries than one block holds
     _check_fp32(case, ratio, topk=70, seed=14)
 
 
