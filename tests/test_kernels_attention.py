@@ -131,6 +131,11 @@ def test_sparse_attention_prefill_tiles_bf16(ratio: int) -> None:
     assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
 
 
+def test_key_tiles_under_16_keys_are_refused() -> None:
+    with pytest.raises(ValueError, match="block_n 8"):
+        kt.AttentionConfig(block_n=8)
+
+
 def test_split_of_tiles_not_a_power_of_two_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kt, "SPLIT_TOKENS", 1 << 20)
     monkeypatch.setattr(kt, "SPLIT_CONFIG", kt.AttentionConfig(block_n=16, split=48))

@@ -47,6 +47,11 @@ class AttentionConfig:
     num_stages: int = 2
     split: int = 0  # keys per split program (block_n times a power of two); 0: one program walks all keys
 
+    def __post_init__(self) -> None:
+        # a key tile is the K of the P @ V dot: a GPU's tl.dot takes K >= 16 (the interpreter takes less)
+        if self.block_n < 16:
+            raise ValueError(f"block_n {self.block_n}: key tiles hold at least 16 keys")
+
 
 SPLIT_CONFIG = AttentionConfig(split=64)  # steps of at most SPLIT_TOKENS tokens (the H200 sweep, run 9)
 SPLIT_TOKENS = 16
