@@ -99,7 +99,7 @@ def test_whole_kernel_entries_over_several_slot_blocks(ratio: int, monkeypatch: 
     """The one-program-per-token kernel with slot blocks of 32 entries (the 24-key window in 16-key
     tiles, the smallest a GPU's tl.dot takes: 2 tiles per block): at 601 tokens of context ratio 16
     gives 37 entries (a full block and 5 over), ratio 4 up to 70 picks (3 blocks); the tokens at
-    300-302 fill most of one block (18-19 entries), those at 61-63 hold 3-4."""
+    300-301 fill most of one block (18 entries), those at 61-63 hold 3-4."""
     monkeypatch.setattr(kt, "SPLIT_TOKENS", 0)
     monkeypatch.setattr(kt, "CONFIG", kt.AttentionConfig(block_n=16))
     cfg = kernel_model(sliding_window=24)
@@ -136,11 +136,8 @@ def test_key_tiles_under_16_keys_are_refused() -> None:
         kt.AttentionConfig(block_n=8)
 
 
-def test_split_of_tiles_not_a_power_of_two_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kt, "SPLIT_TOKENS", 1 << 20)
-    monkeypatch.setattr(kt, "SPLIT_CONFIG", kt.AttentionConfig(block_n=16, split=48))
-    case = make_case(5, STEPS[0], page_size=4)
-    T, H, D = case.batch.num_tokens, case.cfg.num_heads, case.cfg.head_dim
-    q, sinks = on_device(torch.randn(T, H, D)), on_device(torch.randn(H))
-    with pytest.raises(AssertionError, match="48"):
-        kt.sparse_attention(q, case.pools.swa[0].view(-1, D), None, None, case.fused, sinks, D**-0.5, 0)
+def test_split_of_tiles_not_a_power_of_two_is_refused() -> None:
+    with pytest.raises(ValueError, match="split 48"):
+        kt.AttentionConfig(block_n=16, split=48)
+    with pytest.raises(ValueError, match="split 40"):
+        kt.AttentionConfig(block_n=16, split=40)

@@ -51,6 +51,9 @@ class AttentionConfig:
         # a key tile is the K of the P @ V dot: a GPU's tl.dot takes K >= 16 (the interpreter takes less)
         if self.block_n < 16:
             raise ValueError(f"block_n {self.block_n}: key tiles hold at least 16 keys")
+        tiles = self.split // self.block_n  # a split's keys are one block of slots: a power of two of tiles
+        if self.split and (self.split % self.block_n or tiles & (tiles - 1)):
+            raise ValueError(f"split {self.split}: a power of two of {self.block_n}-key tiles")
 
 
 SPLIT_CONFIG = AttentionConfig(split=64)  # steps of at most SPLIT_TOKENS tokens (the H200 sweep, run 9)
@@ -358,8 +361,6 @@ def _split_attention(
     """The split-keys path: a fixed grid (host-known bounds on the window and the compressed entries),
     so a captured decode step replays it whatever its positions."""
     T, H, D = q.shape
-    tiles = cfg.split // cfg.block_n  # a split's keys are one block of slots: a power of two of tiles
-    assert cfg.split % cfg.block_n == 0 and tiles & (tiles - 1) == 0, (cfg.split, cfg.block_n)
     cos, sin = meta.rope[ratio > 0]
     tables = meta.tables
     win_splits = triton.cdiv(meta.sliding_window, cfg.split)
