@@ -46,17 +46,26 @@ from typing import Any
 
 import torch
 
-from dsv4serve.attention.metadata import BatchItem, build_forward_batch
-from dsv4serve.bench import TIMED, CoreDriver, device_idle, stack_options, sync
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.bench import TIMED, CoreDriver, device_idle, stack_options
+from dsv4serve.config import EngineConfig
 from dsv4serve.executor.graphs import _Graph
+from dsv4serve.executor.inputs import forward_batch
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.memory.sizing_layout import engine_pool_sizes
-from dsv4serve.models.hf_names import official_weights
-from dsv4serve.models.weights import storage_dtype
+from dsv4serve.memory.sizing import engine_pool_sizes
+from dsv4serve.models.deepseek_v4 import SPEC
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+from dsv4serve.models.deepseek_v4.names import official_weights
+from dsv4serve.models.loader import loaded_schema, storage_dtype
+from dsv4serve.models.registry import config_file
+from dsv4serve.protocol import SamplingSpec, StepItem
 
-CONFIG = Path(__file__).parent / "configs" / "deepseek_v4_flash.config.json"
+CONFIG = config_file("deepseek-v4-flash")  # the official config, shipped in the package
 REPORT: dict[str, Any] = {}
+
+
+def sync(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def log(*args: object) -> None:
@@ -111,10 +120,11 @@ def build_hf(raw: dict[str, Any], device: str) -> Any:
     return model
 
 
-def engine_weights(model: Any) -> dict[str, torch.Tensor]:
+def engine_weights(model: Any, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
     """transformers' tensors under the official names, in the dtypes the engine keeps (mostly views)."""
     named = list(model.state_dict().items())
-    return {n: t.to(storage_dtype(n, torch.bfloat16)) for n, t in official_weights(named).items()}
+    schema = loaded_schema(SPEC.schema(cfg), SPEC.names(cfg))
+    return {n: t.to(storage_dtype(schema[n], torch.bfloat16)) for n, t in official_weights(named).items()}
 
 
 def _cache_kwarg(out: Any) -> dict[str, Any]:
@@ -230,7 +240,7 @@ def weight_bytes(model: Any, batch: int) -> tuple[int, int]:
     return nonexpert, per_expert // layers
 
 
-def kv_bytes(cfg: ModelConfig, lengths: list[int]) -> int:
+def kv_bytes(cfg: DeepseekV4Config, lengths: list[int]) -> int:
     """Bytes of keys / entries each query of a decode step reads (bf16), summed over layers."""
     total, D, Di = 0, cfg.head_dim, cfg.index_head_dim
     for n in lengths:  # the query sits at position n - 1
@@ -259,11 +269,15 @@ def distinct_experts(runner: ModelRunner, core: CoreDriver, rids: list[str]) -> 
             n = core.lengths[rid]
             got = core.alloc.allocate(rid, n, n + 1, core.step)
             locs.append(got)
-            items.append(BatchItem(got.row, n, [core.last[rid]], True))  # type: ignore[union-attr]
+            greedy = SamplingSpec(temperature=0.0)
+            token = (core.last[rid],)
+            items.append(
+                StepItem(rid=rid, prefix_len=n, token_ids=token, sample=True, sampling=greedy, row=got.row)
+            )  # type: ignore[union-attr]
         runner.write_locs(locs)  # type: ignore[arg-type]
         with torch.inference_mode():
-            batch = build_forward_batch(items, runner.ratios, runner.device)
-            logits = runner.model.forward(batch, runner.pools, runner.tables)
+            batch = forward_batch(items, runner.ratios, runner.device)
+            logits = runner.model.forward(batch)
         for rid, token in zip(rids, logits.argmax(-1).tolist(), strict=True):
             core.lengths[rid] += 1
             core.last[rid] = token
@@ -455,7 +469,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(device, 0.25 if args.dry_run else 4.0)
     REPORT["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
     raw = flash_config(args.layers, args.experts, args.dry_run)
-    cfg = ModelConfig.from_dict(raw)
+    cfg = DeepseekV4Config.from_dict(raw)
     hf = build_hf(raw, device)
     log("built", round(time.perf_counter() - started, 1), "s")
     longest, widest = max(args.contexts + args.engine_contexts), max(args.batches)
@@ -471,7 +485,7 @@ def main() -> None:
     # until then (the engine's sizing assumes a decode soon after): room for one chunk per request
     sizes = engine_pool_sizes(cfg, engine)
     sizes = sizes.with_(swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
-    runner = ModelRunner.from_weights(cfg, engine_weights(hf), engine, sizes)
+    runner = ModelRunner.from_weights(cfg, engine_weights(hf, cfg), engine, sizes)
     core = CoreDriver(runner)
     vocab = cfg.vocab_size
     rng = random.Random(0)

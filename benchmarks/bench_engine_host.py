@@ -25,7 +25,7 @@ from dsv4serve.actors.tokenizer_core import load_tokenizer
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.graphs import is_decode
 from dsv4serve.executor.runner import ModelRunner, StepResult
-from dsv4serve.models.tiny import make_tiny
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
 from dsv4serve.protocol import SampledToken, StepPlan
 
 TOKEN = 1000  # every simulated step samples this (an ordinary token: requests end by max_tokens)

@@ -28,9 +28,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4serve import mhc, mhc_triton
-from dsv4serve.attention import core, norm_rope_triton, sparse_triton
-from dsv4serve.moe import experts_triton
+from dsv4serve.attention import core
+from dsv4serve.backends.cuda import experts as experts_triton
+from dsv4serve.backends.cuda import mhc as mhc_triton
+from dsv4serve.backends.cuda import norm_rope as norm_rope_triton
+from dsv4serve.backends.cuda import sparse as sparse_triton
+from dsv4serve.layers import mhc
 from tests.kernel_cases import kernel_model, make_case
 from tools.kernel_shapes import FLASH
 
@@ -184,7 +187,7 @@ def attention_sweep(
     T, H, D = case.batch.num_tokens, cfg.num_heads, cfg.head_dim
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
     sinks = torch.randn(H, device="cuda")
-    swa, cmp = case.pools.swa[1].view(-1, D), case.pools.c4[1].view(-1, D)
+    swa, cmp = case.buffer("swa", 1), case.buffer("c4", 1)
     cmp_ = cmp if ratio else None
     idx = None
     if topk:  # random distinct visible entries, packed before their padding, as the indexer returns them
@@ -266,7 +269,7 @@ GEMV_TILES = [  # BLOCK_N, BLOCK_K, warps, stages, target programs
 def gemv_sweep(rows: int) -> dict[str, Any]:
     """Each decode projection's GEMM at `rows` rows, replayed in a graph, per tile: us and GB/s of
     weight read (the roofline's measure), next to the current plan."""
-    from dsv4serve import quant_triton
+    from dsv4serve.backends.cuda import linear as quant_triton
 
     current = quant_triton._plan
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # 256 MB: more than the L2

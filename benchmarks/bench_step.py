@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from dsv4serve.bench import run_bench
-from dsv4serve.models.tiny import make_tiny
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
 
 
 def main() -> None:

@@ -25,11 +25,6 @@ GREEDY = SamplingSpec(temperature=0.0)
 TIMED = "core_step"  # the profiler's name for a step's timed part (launch, wait)
 
 
-def sync(device: str | torch.device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 class CoreDriver:
     """Requests through the executor core as the engine runs them, without the actors."""
 
@@ -40,6 +35,10 @@ class CoreDriver:
         self.last: dict[str, int] = {}
         self.step = 0
         self.launch_times: list[float] = []  # host time of each step's launch (s): until it returns
+
+    def sync(self) -> None:
+        """Wait for the device's queued work."""
+        self.runner.ops.transfers.synchronize(self.runner.device)
 
     def _plan(self, chunks: Mapping[str, Sequence[int]]) -> StepPlan:
         """Allocate each rid's chunk after its cached tokens and write its slots; the step's plan."""
@@ -62,13 +61,13 @@ class CoreDriver:
     def _run(self, chunks: dict[str, Sequence[int]]) -> float:
         """One step, alone on the device: returns launch + wait's wall time (s)."""
         plan = self._plan(chunks)
-        sync(self.runner.device)
+        self.sync()
         with torch.profiler.record_function(TIMED):  # what a profile of the step should look at
             begin = time.perf_counter()
             pending = self.runner.launch(plan)
             self.launch_times.append(time.perf_counter() - begin)
             result = pending.wait()
-            sync(self.runner.device)
+            self.sync()
             elapsed = time.perf_counter() - begin
         self.last.update({o.rid: o.token_id for o in result.outputs})
         return elapsed
@@ -79,7 +78,7 @@ class CoreDriver:
         host's planning and launch overlap the device's work. Returns the time per step (s) between
         the first step's result and the last one's."""
         assert steps >= 2
-        sync(self.runner.device)
+        self.sync()
         in_flight = deque([self.runner.launch(self._plan({rid: (self.last[rid],) for rid in rids}))])
         done = []
         for n in range(steps):
@@ -88,7 +87,7 @@ class CoreDriver:
             result = in_flight.popleft().wait()
             done.append(time.perf_counter())
             self.last.update({o.rid: o.token_id for o in result.outputs})
-        sync(self.runner.device)
+        self.sync()
         return (done[-1] - done[0]) / (steps - 1)
 
     def prefill(self, prompts: Mapping[str, Sequence[int]], budget: int) -> list[float]:

@@ -24,15 +24,13 @@ from dsv4serve.config import (
     STATE_MODES,
     ConfigError,
     EngineConfig,
-    ModelConfig,
 )
 from dsv4serve.demo import tiny_checkpoint as tiny_checkpoint  # re-exported: `cli.tiny_checkpoint`
 from dsv4serve.logs import LEVELS
 from dsv4serve.logs import configure as configure_logs
 from dsv4serve.logs import configure_default as configure_default_logs
-from dsv4serve.memory.sizing import WEIGHT_FORMATS, plan
-from dsv4serve.memory.sizing_table import render_plan
-from dsv4serve.models.registry import MODEL_TYPES
+from dsv4serve.models.plan import WEIGHT_FORMATS
+from dsv4serve.models.registry import model_types, official_configs
 from dsv4serve.params import SamplingParams
 from dsv4serve.protocol import RequestError
 
@@ -82,7 +80,7 @@ def _user_error(exc: BaseException) -> BaseException | None:
     the context), possibly inside exception groups from trio: reported as one line. Anything
     else is a bug and keeps its traceback."""
     from dsv4serve.actors.tokenizer_core import TokenizerError
-    from dsv4serve.models.weights import CheckpointError
+    from dsv4serve.models.spec import CheckpointError
 
     if isinstance(exc, BaseExceptionGroup):  # from trio; several prompts may fail alike (demo)
         parts = [_user_error(e) for e in exc.exceptions]
@@ -93,7 +91,7 @@ def _user_error(exc: BaseException) -> BaseException | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dsv4serve", description="DeepSeek-V4 serving microkernel")
+    parser = _Parser(prog="dsv4serve", description="A serving microkernel for DeepSeek-V4 and GLM-4.7-Flash")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         parser_of = sub.add_parser(
@@ -143,7 +141,11 @@ _positive_float.__name__ = "positive number"
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", type=Path, metavar="FILE", help="a DeepSeek-V4 config.json")
+    src.add_argument(
+        "--config",
+        metavar="NAME|FILE",
+        help=f"an official config ({', '.join(official_configs())}) or a config.json",
+    )
     src.add_argument("--model", type=Path, metavar="DIR", help="a model directory holding config.json")
     p.add_argument("--hbm-gib", type=_positive_float, default=64.0, help="device memory budget (GiB)")
     p.add_argument("--page-size", type=_positive_int, default=128, help="tokens per page")
@@ -155,27 +157,12 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    from dsv4serve.models.plan import plan, render
     from dsv4serve.models.registry import config_from_dir, config_from_json_file, spec_for
 
     model = config_from_json_file(args.config) if args.config else config_from_dir(args.model)
-    if not isinstance(model, ModelConfig):  # a family sized from its KV layout and weight schema
-        from dsv4serve.memory.sizing_layout import plan_layout, render_layout_plan
-
-        spec = spec_for(model.model_type)
-        assert spec.fp32_weight is not None, model.model_type
-        generic = plan_layout(
-            model,
-            spec.schema(model),
-            spec.fp32_weight,
-            dtype=args.dtype,
-            page_size=args.page_size,
-            max_running=args.max_running,
-            hbm_gib=args.hbm_gib,
-            num_devices=args.devices,
-        )
-        print(json.dumps(generic.to_dict()) if args.json else render_layout_plan(generic))
-        return 0
     result = plan(
+        spec_for(model.model_type),
         model,
         dtype=args.dtype,
         page_size=args.page_size,
@@ -184,7 +171,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         weight_format=args.weight_format,
         num_devices=args.devices,
     )
-    print(json.dumps(result.to_dict()) if args.json else render_plan(result))
+    print(json.dumps(result.to_dict()) if args.json else render(result))
     return 0
 
 
@@ -194,7 +181,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, metavar="OUT", help="directory to write the checkpoint into")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
-    p.add_argument("--model", choices=MODEL_TYPES, default="deepseek_v4", help="the model family")
+    p.add_argument("--model", choices=model_types(), default="deepseek_v4", help="the model family")
     p.add_argument(
         "--quant",
         choices=("w8a8",),
@@ -365,7 +352,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--model-type", choices=MODEL_TYPES, default="deepseek_v4", help="the tiny model's family")
+    p.add_argument(
+        "--model-type", choices=model_types(), default="deepseek_v4", help="the tiny model's family"
+    )
     _engine_arguments(p, model=False)
     p.set_defaults(max_total_tokens=4096)
 
@@ -407,9 +396,13 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 COMMANDS: Mapping[str, Command] = MappingProxyType(
     {
-        "plan": Command("print the memory plan of a DeepSeek-V4 model", _plan_arguments, _run_plan),
+        "plan": Command(
+            "print the memory plan of a DeepSeek-V4 or GLM-4.7-Flash model", _plan_arguments, _run_plan
+        ),
         "make-tiny": Command(
-            "write a tiny random DeepSeek-V4 checkpoint", _make_tiny_arguments, _run_make_tiny
+            "write a tiny random DeepSeek-V4 or GLM-4.7-Flash checkpoint",
+            _make_tiny_arguments,
+            _run_make_tiny,
         ),
         "quantize": Command(
             "write a W8A8 int8 checkpoint of a float or official one", _quantize_arguments, _run_quantize

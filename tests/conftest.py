@@ -20,6 +20,6 @@ if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny DeepSeek-V4 checkpoint (`make_tiny(dir, seed=0)`), shared by every test."""
-    from dsv4serve.models.tiny import make_tiny
+    from dsv4serve.models.deepseek_v4.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny-seed0"), seed=0)

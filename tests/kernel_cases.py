@@ -16,14 +16,17 @@ from typing import Any
 
 import torch
 
-from dsv4serve.attention.metadata import BatchItem, ForwardBatch, build_forward_batch
+from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
-from dsv4serve.attention.step import StepMeta, prepare_step
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.attention.step import StepMeta, StepTables, prepare_step
+from dsv4serve.config import EngineConfig
+from dsv4serve.executor.inputs import forward_batch
 from dsv4serve.memory.allocator import KVAllocator, Refusal
-from dsv4serve.memory.pools import KVPools, flat
-from dsv4serve.memory.sizing_layout import engine_pool_sizes
+from dsv4serve.memory.buffers import LayoutBuffers
+from dsv4serve.memory.sizing import engine_pool_sizes
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+from dsv4serve.protocol import SamplingSpec, StepItem
 
 DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # where the kernels (and their references) run
 
@@ -33,7 +36,7 @@ def on_device(t: torch.Tensor) -> torch.Tensor:
     return t.to(DEVICE)
 
 
-def kernel_model(**changes: Any) -> ModelConfig:
+def kernel_model(**changes: Any) -> DeepseekV4Config:
     raw: dict[str, Any] = {
         "num_hidden_layers": 3,
         "compress_ratios": [0, 4, 16],
@@ -55,25 +58,37 @@ def kernel_model(**changes: Any) -> ModelConfig:
         "max_position_embeddings": 1024,
         **changes,
     }
-    return ModelConfig.from_dict(raw)
+    return DeepseekV4Config.from_dict(raw)
 
 
 @dataclass
 class Case:
-    cfg: ModelConfig
+    cfg: DeepseekV4Config
     engine: EngineConfig
     tables: SlotTables
-    pools: KVPools
+    cache: LayoutBuffers
     batch: ForwardBatch
     ref: StepMeta  # with the reference geometry
     fused: StepMeta  # without
     rope: RopeTables
 
-    def sentinels(self) -> dict[int, int]:
-        return {
-            4: self.pools.state_sentinel["c4_state"],
-            self.cfg.hca_ratio: self.pools.state_sentinel["c128_state"],
-        }
+    def buffer(self, name: str, layer: int) -> torch.Tensor:
+        """Layer `layer`'s buffer `name` (c4, c4_index, c128, swa, c4_state, ...) as [slots, width]."""
+        return self.cache.flat(name)[layer]
+
+    def step_tables(self) -> StepTables:
+        ratios = self.cfg.compress_ratio_set
+        return StepTables(
+            window=self.tables.table("swa"),
+            entries={r: self.tables.table(pool_of(r)) for r in ratios},
+            states={r: self.tables.table(f"{pool_of(r)}_state") for r in ratios},
+            state_sentinels={r: self.cache.state_sentinel[f"{pool_of(r)}_state"] for r in ratios},
+        )
+
+
+def pool_of(ratio: int) -> str:
+    """DeepSeek-V4's compressed pool of a ratio (its state pool: + "_state")."""
+    return "c4" if ratio == 4 else "c128"
 
 
 def make_case(
@@ -84,7 +99,7 @@ def make_case(
     state_mode: str = "paged",
     dtype: str = "float32",
     poison: bool = False,
-    cfg: ModelConfig | None = None,
+    cfg: DeepseekV4Config | None = None,
     pad_windows: bool = False,
 ) -> Case:
     """requests: (cached prefix, new tokens this step) per request."""
@@ -114,18 +129,31 @@ def make_case(
             done, step = done + n, step + 1
     for i, (prefix, new) in enumerate(requests):
         locs = _alloc(alloc, tables, f"r{i}", prefix, prefix + new, step)
-        ids = [rng.randrange(cfg.vocab_size) for _ in range(new)]
-        items.append(BatchItem(locs.row, prefix, ids, True))
-    batch = build_forward_batch(items, cfg.compress_ratio_set, DEVICE)
+        ids = tuple(rng.randrange(cfg.vocab_size) for _ in range(new))
+        items.append(step_item(locs.row, prefix, ids))
+    batch = forward_batch(items, cfg.compress_ratio_set, DEVICE)
     if pad_windows:
         batch = _padded_windows(batch, rng)
-    pools = KVPools(cfg, sizes, engine)
+    cache = LayoutBuffers(cfg.kv_layout, sizes, engine)
     rope = RopeTables.build(cfg, engine.resolved_max_model_len(cfg) + 1, DEVICE)
-    case = Case(cfg, engine, tables, pools, batch, None, None, rope)  # type: ignore[arg-type]
-    case.ref = prepare_step(batch, tables, rope, cfg.sliding_window, case.sentinels(), with_geometry=True)
-    case.fused = prepare_step(batch, tables, rope, cfg.sliding_window, case.sentinels(), with_geometry=False)
+    case = Case(cfg, engine, tables, cache, batch, None, None, rope)  # type: ignore[arg-type]
+    step_tables = case.step_tables()
+    case.ref = prepare_step(batch, step_tables, rope, cfg.sliding_window, with_geometry=True)
+    case.fused = prepare_step(batch, step_tables, rope, cfg.sliding_window, with_geometry=False)
     _fill(case, torch.Generator().manual_seed(seed), poison)
     return case
+
+
+def step_item(row: int, prefix: int, ids: Sequence[int], sample: bool = True) -> StepItem:
+    """One request's share of a step (greedy)."""
+    return StepItem(
+        rid=f"row{row}",
+        prefix_len=prefix,
+        token_ids=tuple(ids),
+        sample=sample,
+        sampling=SamplingSpec(),
+        row=row,
+    )
 
 
 def _alloc(alloc: KVAllocator, tables: SlotTables, rid: str, lo: int, hi: int, step: int) -> Any:
@@ -160,20 +188,10 @@ def _padded_windows(batch: ForwardBatch, rng: random.Random) -> ForwardBatch:
 
 def _fill(case: Case, gen: torch.Generator, poison: bool) -> None:
     """Random values in every pool; with `poison`, NaN / inf in every row no reference read needs."""
-    p = case.pools
-    families: list[tuple[dict[int, torch.Tensor] | list[torch.Tensor], str]] = [
-        (p.swa, "swa"),
-        (p.c4, "c4"),
-        (p.c4_index, "c4"),
-        (p.c128, "c128"),
-        (p.c4_state, "c4_state"),
-        (p.c4_index_state, "c4_state"),
-        (p.c128_state, "c128_state"),
-    ]
+    pools = {b.name: p.name for p in case.cfg.kv_layout.pools for b in p.buffers}
     live = _live_slots(case) if poison else {}
-    for buffers, pool in families:
-        for t in buffers.values() if isinstance(buffers, dict) else buffers:
-            rows = flat(t)
+    for name, pool in pools.items():
+        for rows in case.cache.flat(name).values():
             rows.copy_(torch.randn(rows.shape, generator=gen).to(rows.dtype))
             if pool.endswith("state"):  # a score half of moderate size
                 half = torch.randn(rows.shape[0], rows.shape[1] // 2, generator=gen)
@@ -192,7 +210,7 @@ def _live_slots(case: Case) -> dict[str, torch.Tensor]:
     assert geo is not None
     out = {"swa": geo.window_slots[geo.window_visible]}
     for r, cg in geo.compress.items():
-        pool = "c4" if r == 4 else "c128"
+        pool = pool_of(r)
         out[pool] = cg.entry_slots[cg.entry_visible]
         win = case.batch.windows[r]
         stored = (~cg.fresh) & (cg.window_pos >= 0) & (win.index >= 0)[:, None]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.config import EngineConfig
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 
 P = 4  # tiny_engine's default page size
 
@@ -33,7 +34,7 @@ def tiny_model_dict() -> dict[str, Any]:
     }
 
 
-TINY = ModelConfig.from_dict(tiny_model_dict())
+TINY = DeepseekV4Config.from_dict(tiny_model_dict())
 
 
 def tiny_engine(*, max_num_seqs: int, max_total_tokens: int, **changes: Any) -> EngineConfig:

@@ -21,9 +21,10 @@ from dsv4serve import logs
 from dsv4serve.actors.executor import at_once, run_executor
 from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.system import EngineHandle, Parts, SystemOptions, run_actors
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.config import EngineConfig
 from dsv4serve.memory import KVAllocator, Refusal
-from dsv4serve.models.tiny import tiny_config
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+from dsv4serve.models.deepseek_v4.tiny import tiny_config
 from dsv4serve.protocol import (
     Allocate,
     AllocatorMsg,
@@ -49,7 +50,7 @@ from dsv4serve.protocol import (
 )
 from dsv4serve.scheduler import SchedulerCore
 
-MODEL = ModelConfig.from_dict(tiny_config())
+MODEL = DeepseekV4Config.from_dict(tiny_config())
 ENGINE = EngineConfig(
     page_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_total_tokens=1024, max_model_len=128
 )

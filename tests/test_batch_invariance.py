@@ -23,7 +23,7 @@ from dsv4serve import Engine, SamplingParams
 from dsv4serve.attention import core
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.models.tiny import make_tiny
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
 
 NUM_SHAPES = 6
 MAX_NEW = 24

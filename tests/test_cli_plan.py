@@ -11,24 +11,36 @@ from pathlib import Path
 import pytest
 
 from dsv4serve import cli
+from dsv4serve.models.registry import config_file
 
 ROOT = Path(__file__).resolve().parents[1]
-FLASH = ROOT.parent / "shared" / "fixtures" / "configs" / "deepseek_v4_flash.config.json"
-ACCEPTANCE = ["plan", "--config", str(FLASH), "--hbm-gib", "64", "--page-size", "128", "--max-running", "64"]
+FLASH = config_file("deepseek-v4-flash")  # shipped in the package
+ACCEPTANCE = [
+    "plan",
+    "--config",
+    "deepseek-v4-flash",
+    "--hbm-gib",
+    "64",
+    "--page-size",
+    "128",
+    "--max-running",
+    "64",
+]
 
 
-def test_acceptance_command_as_a_subprocess() -> None:
+def test_acceptance_command_as_a_subprocess_from_any_directory(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "dsv4serve", *ACCEPTANCE, "--json"],
-        cwd=ROOT,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
     plan = json.loads(out.stdout)
-    assert (plan["c4_state_slots"], plan["c128_state_slots"]) == (16384, 24576)
-    assert (plan["swa_slots"], plan["swa_bytes_per_token"], plan["kv_bytes_per_token"]) == (
+    pools = plan["pools"]
+    assert (pools["c4_state"]["slots"], pools["c128_state"]["slots"]) == (16384, 24576)
+    assert (pools["swa"]["slots"], pools["swa"]["bytes_per_slot"], plan["kv_bytes_per_token"]) == (
         16384,
         44032,
         6880,
@@ -38,15 +50,23 @@ def test_acceptance_command_as_a_subprocess() -> None:
 def test_acceptance_command_in_process(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([*ACCEPTANCE, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert (plan["c4_state_slots"], plan["c128_state_slots"]) == (16384, 24576)
+    assert (plan["pools"]["c4_state"]["slots"], plan["pools"]["c128_state"]["slots"]) == (16384, 24576)
     assert plan["fits"] is False and plan["full_slots"] == 0  # 145 GiB of weights on one 64 GiB device
+
+
+def test_a_config_path_works_as_its_name_does(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--config", "deepseek-v4-flash", "--json"]) == 0
+    by_name = capsys.readouterr().out
+    assert cli.main(["plan", "--config", str(FLASH), "--json"]) == 0
+    assert capsys.readouterr().out == by_name
 
 
 def test_table_shows_the_hand_checkable_figures(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([*ACCEPTANCE, "--devices", "8"]) == 0
     table = capsys.readouterr().out
-    for expected in ("43 x 512 x 2", "44,032", "21 x 128 x 2 / 4", "1,344", "20 x 512 x 2 / 128", "6,880"):
+    for expected in ("43 x 512 x 2", "44,032", "21 x 512 x 2 + 21 x 128 x 2", "26,880", "20 x 512 x 2"):
         assert expected in table
+    assert "c4 / 4 + c128 / 128" in table and "6,880" in table
     assert "97,779,712" in table and "24,576" in table
     assert "max_total_tokens = 6,242,304" in table
 
@@ -60,7 +80,7 @@ def test_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     (tmp_path / "config.json").write_text(FLASH.read_text())
     assert cli.main(["plan", "--model", str(tmp_path), "--json", "--dtype", "float32", "--devices", "8"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert (plan["dtype_bytes"], plan["swa_bytes_per_token"]) == (4, 88064)
+    assert (plan["dtype_bytes"], plan["pools"]["swa"]["bytes_per_slot"]) == (4, 88064)
 
 
 @pytest.mark.parametrize(
@@ -118,9 +138,9 @@ def test_make_tiny_calls_the_tiny_module(
         calls.append((out_dir, seed))
         return out_dir
 
-    fake = types.ModuleType("dsv4serve.models.tiny")
+    fake = types.ModuleType("dsv4serve.models.deepseek_v4.tiny")
     fake.make_tiny = make_tiny  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dsv4serve.models.tiny", fake)
+    monkeypatch.setitem(sys.modules, "dsv4serve.models.deepseek_v4.tiny", fake)
     assert cli.main(["make-tiny", str(tmp_path / "m"), "--seed", "7"]) == 0
     assert calls == [(tmp_path / "m", 7)]
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")

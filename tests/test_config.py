@@ -1,4 +1,4 @@
-"""ModelConfig / EngineConfig: official and transformers spellings agree; bad values name their key."""
+"""DeepseekV4Config / EngineConfig: official and transformers spellings agree; bad values name their key."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4serve.config import ConfigError, EngineConfig, ModelConfig
+from dsv4serve.config import ConfigError, EngineConfig
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+from dsv4serve.models.registry import config_file, config_from_dir, config_from_json_file
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "configs"
 TYPE_OF_RATIO = {0: "sliding_attention", 4: "compressed_sparse_attention"}
 
 
 def official(name: str) -> dict[str, Any]:
-    return json.loads((FIXTURES / f"deepseek_v4_{name}.config.json").read_text())
+    """An official config.json shipped in the package (`flash`, `pro`)."""
+    return json.loads(config_file(f"deepseek-v4-{name}").read_text())
 
 
 def by_hand_transformers(raw: dict[str, Any], *, hca: int = 128) -> dict[str, Any]:
@@ -56,7 +58,7 @@ _MISSING = object()
 
 
 def test_flash_official() -> None:
-    cfg = ModelConfig.from_dict(official("flash"))
+    cfg = DeepseekV4Config.from_dict(official("flash"))
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.head_dim) == (43, 4096, 64, 512)
     assert cfg.compress_ratios == (0, 0) + (4, 128) * 20 + (4,)  # the 44th (MTP) entry is dropped
     assert len(cfg.c4_layers) == 21 and len(cfg.c128_layers) == 20
@@ -75,7 +77,7 @@ def test_flash_official() -> None:
 
 
 def test_pro_official() -> None:
-    cfg = ModelConfig.from_dict(official("pro"))
+    cfg = DeepseekV4Config.from_dict(official("pro"))
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.o_groups) == (61, 7168, 128, 16)
     assert cfg.compress_ratios == (128, 128) + (4, 128) * 29 + (4,)
     assert len(cfg.c4_layers) == 30 and len(cfg.c128_layers) == 31
@@ -84,24 +86,26 @@ def test_pro_official() -> None:
 
 @pytest.mark.parametrize("name", ["flash", "pro"])
 def test_transformers_spelling_gives_the_same_config(name: str) -> None:
-    from transformers import DeepseekV4Config
+    from transformers import DeepseekV4Config as TransformersConfig
 
     raw = official(name)
-    expected = ModelConfig.from_dict(raw)
-    via_transformers = DeepseekV4Config(**copy.deepcopy(raw)).to_dict()  # it edits nested dicts in place
+    expected = DeepseekV4Config.from_dict(raw)
+    via_transformers = TransformersConfig(**copy.deepcopy(raw)).to_dict()  # it edits nested dicts in place
     assert "layer_types" in via_transformers and "compress_ratios" not in via_transformers
-    assert ModelConfig.from_dict(via_transformers) == expected
+    assert DeepseekV4Config.from_dict(via_transformers) == expected
     no_rope_dim = with_(via_transformers, qk_rope_head_dim=_MISSING)  # must come from partial_rotary_factor
-    assert ModelConfig.from_dict(no_rope_dim) == expected
+    assert DeepseekV4Config.from_dict(no_rope_dim) == expected
     hand = by_hand_transformers(raw)
-    assert ModelConfig.from_dict(hand) == expected
+    assert DeepseekV4Config.from_dict(hand) == expected
 
 
 def test_top_level_partial_rotary_factor_with_nested_rope_parameters() -> None:
     raw = with_(official("flash"), head_dim=256, qk_rope_head_dim=32)
     hand = by_hand_transformers(raw)  # partial_rotary_factor only at the top level, as a user may write it
     assert "partial_rotary_factor" not in hand["rope_parameters"]["main"]
-    assert ModelConfig.from_dict(hand).rope_head_dim == 32 == ModelConfig.from_dict(raw).rope_head_dim
+    assert (
+        DeepseekV4Config.from_dict(hand).rope_head_dim == 32 == DeepseekV4Config.from_dict(raw).rope_head_dim
+    )
 
 
 @settings(deadline=None, max_examples=30)
@@ -116,14 +120,14 @@ def test_spellings_agree_on_random_layouts(ratios: list[int], hca: int, num_hash
     raw = with_(
         official("flash"), num_hidden_layers=n, compress_ratios=[*ratios, 0], num_hash_layers=num_hash
     )
-    cfg = ModelConfig.from_dict(raw)
+    cfg = DeepseekV4Config.from_dict(raw)
     assert cfg.compress_ratios == tuple(ratios)
     assert cfg.num_hash_layers == min(num_hash, n)
     assert cfg.hca_ratio == (hca if hca in ratios else 0)
     assert cfg.c128_layers == tuple(i for i, r in enumerate(ratios) if r == hca)
     assert cfg.c4_layers == tuple(i for i, r in enumerate(ratios) if r == 4)
     hand = by_hand_transformers(with_(raw, num_hash_layers=min(num_hash, n)), hca=hca)
-    assert ModelConfig.from_dict(hand) == cfg
+    assert DeepseekV4Config.from_dict(hand) == cfg
 
 
 @pytest.mark.parametrize(
@@ -165,7 +169,7 @@ def test_spellings_agree_on_random_layouts(ratios: list[int], hca: int, num_hash
 )
 def test_bad_official_values_name_the_key(changes: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
-        ModelConfig.from_dict(with_(official("flash"), **changes))
+        DeepseekV4Config.from_dict(with_(official("flash"), **changes))
 
 
 @pytest.mark.parametrize(
@@ -183,30 +187,31 @@ def test_bad_official_values_name_the_key(changes: dict[str, Any], key: str) -> 
 )
 def test_bad_transformers_values_name_the_key(changes: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
-        ModelConfig.from_dict(with_(by_hand_transformers(official("flash")), **changes))
+        DeepseekV4Config.from_dict(with_(by_hand_transformers(official("flash")), **changes))
 
 
 def test_spellings_that_disagree_are_refused() -> None:
     raw = by_hand_transformers(official("flash"))
     raw["compress_ratios"] = [0, 0] + [128, 4] * 20 + [4, 0]
     with pytest.raises(ConfigError, match="compress_ratios"):
-        ModelConfig.from_dict(raw)
+        DeepseekV4Config.from_dict(raw)
 
 
 def test_files_and_directories(tmp_path: Path) -> None:
-    assert ModelConfig.from_json_file(FIXTURES / "deepseek_v4_flash.config.json").num_layers == 43
+    assert config_from_json_file(config_file("deepseek-v4-flash")).num_layers == 43
+    assert config_from_json_file("deepseek-v4-flash").num_layers == 43  # by name
     with pytest.raises(ConfigError, match="cannot read"):
-        ModelConfig.from_json_file(tmp_path / "missing.json")
+        config_from_json_file(tmp_path / "missing.json")
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
-        ModelConfig.from_json_file(tmp_path / "list.json")
+        config_from_json_file(tmp_path / "list.json")
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ConfigError, match="cannot read"):
-        ModelConfig.from_json_file(tmp_path / "broken.json")
+        config_from_json_file(tmp_path / "broken.json")
     with pytest.raises(ConfigError, match=r"no config\.json"):
-        ModelConfig.from_dir(tmp_path)
+        config_from_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(official("pro")))
-    assert ModelConfig.from_dir(tmp_path).num_layers == 61
+    assert config_from_dir(tmp_path).num_layers == 61
     assert issubclass(ConfigError, ValueError)
 
 
@@ -220,7 +225,7 @@ def test_engine_config_defaults() -> None:
     )
     assert EngineConfig(device="npu").torch_dtype_name == "bfloat16"
     assert cfg.with_(page_size=64).page_size == 64
-    flash = ModelConfig.from_dict(official("flash"))
+    flash = DeepseekV4Config.from_dict(official("flash"))
     assert cfg.resolved_max_model_len(flash) == cfg.max_total_tokens
 
 
@@ -275,7 +280,7 @@ def test_random_bad_configs_are_a_config_error_or_servable(spelling: str, change
 
     raw = official("flash") if spelling == "official" else by_hand_transformers(official("flash"))
     try:
-        cfg = ModelConfig.from_dict(with_(raw, **changes))
+        cfg = DeepseekV4Config.from_dict(with_(raw, **changes))
     except ConfigError as err:
         assert re.match(r"^[a-z_][a-z0-9_.]*: ", str(err)), str(err)
         return

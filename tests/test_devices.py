@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve import devices
+from dsv4serve.backends.cuda import transfers as devices
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,8 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4serve.actors.tokenizer_core import render_chat
-from dsv4serve.chat.dsml import MARKERS, Content, DSMLParser, Reasoning, collect, parse_output
-from dsv4serve.chat.dsv4 import ChatError, render, render_tool_calls
 from dsv4serve.chat.messages import (
     ChatMessage,
     ChatPrompt,
@@ -21,6 +19,8 @@ from dsv4serve.chat.messages import (
     ToolCallSpec,
     ToolSpec,
 )
+from dsv4serve.models.deepseek_v4.chat import ChatError, render, render_tool_calls
+from dsv4serve.models.deepseek_v4.dsml import MARKERS, Content, DSMLParser, Reasoning, collect, parse_output
 
 HYPOTHESIS = settings(deadline=None, max_examples=150)
 # text with the characters that matter: tag starts, quotes, escapes, newlines, wide characters

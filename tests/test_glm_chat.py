@@ -11,10 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4serve.chat import template_for
 from dsv4serve.chat.deltas import Content, Delta, ParsedOutput, Reasoning, ToolCall, collect
-from dsv4serve.chat.glm import GlmTemplate, read_chat_template
-from dsv4serve.chat.glm_parser import MARKERS, GlmParser, parse_call
 from dsv4serve.chat.messages import (
     ChatError,
     ChatMessage,
@@ -27,7 +24,10 @@ from dsv4serve.chat.messages import (
     ToolCallSpec,
     ToolSpec,
 )
-from dsv4serve.models.tiny_glm import CHAT_TEMPLATE
+from dsv4serve.models.glm4_moe_lite.chat import GlmTemplate, read_chat_template
+from dsv4serve.models.glm4_moe_lite.parser import MARKERS, GlmParser, parse_call
+from dsv4serve.models.glm4_moe_lite.tiny import CHAT_TEMPLATE
+from dsv4serve.models.registry import spec_for
 
 HYPOTHESIS = settings(deadline=None, max_examples=150)
 TEMPLATE = GlmTemplate(CHAT_TEMPLATE, Path("tiny-glm"))
@@ -72,11 +72,11 @@ def render(*messages: ChatMessage, **kw: object) -> str:
 
 
 def test_tiny_checkpoint_ships_the_template(tmp_path: Path) -> None:
-    from dsv4serve.models.tiny_glm import make_tiny_glm
+    from dsv4serve.models.glm4_moe_lite.tiny import make_tiny_glm
 
     model_dir = make_tiny_glm(tmp_path / "glm", num_hidden_layers=2, vocab_size=256)
     assert read_chat_template(model_dir) == CHAT_TEMPLATE
-    template = template_for("glm4_moe_lite", model_dir)
+    template = spec_for("glm4_moe_lite").chat_template(model_dir)
     assert template.render(ChatPrompt(messages=(msg("user", "hi"),))).text == (
         "[gMASK]<sop><|user|>hi<|assistant|></think>"
     )

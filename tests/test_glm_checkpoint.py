@@ -12,23 +12,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv4serve.config import ConfigError
-from dsv4serve.models.glm4_moe_lite import GlmConfig, glm_tensors
-from dsv4serve.models.registry import config_from_dict, config_from_json_file, spec_for
-from dsv4serve.models.schema_loader import loaded_names
-from dsv4serve.models.tiny_glm import make_tiny_glm, tiny_glm_config
-from dsv4serve.models.weights import CheckpointError
+from dsv4serve.models.glm4_moe_lite.config import GlmConfig
+from dsv4serve.models.glm4_moe_lite.tiny import make_tiny_glm, tiny_glm_config
+from dsv4serve.models.registry import config_file, config_from_dict, config_from_json_file
+from dsv4serve.models.spec import CheckpointError
 from dsv4serve.moe.experts import gate_up_view
-
-OFFICIAL = (
-    Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "configs" / "glm_4_7_flash.config.json"
-)
+from tests.checkpoints import expected_tensors, load_checkpoint, loaded_tensors
 
 
 def _official() -> Path:
-    path = OFFICIAL if OFFICIAL.is_file() else Path("/work/shared/fixtures/configs/glm_4_7_flash.config.json")
-    if not path.is_file():
-        pytest.skip("the official GLM config fixture is not available")
-    return path
+    """The official GLM-4.7-Flash config.json, shipped in the package."""
+    return config_file("glm-4.7-flash")
 
 
 def test_official_config_parses_through_the_registry() -> None:
@@ -39,7 +33,7 @@ def test_official_config_parses_through_the_registry() -> None:
     assert cfg.eos_token_ids == (154820, 154827, 154829)
     (pool,) = cfg.kv_layout.pools
     assert pool.name == "full" and pool.bytes_per_slot(2) == 47 * 576 * 2 == 54_144
-    names = glm_tensors(cfg)
+    names = expected_tensors(cfg)
     assert names["layers.0.self_attn.kv_b_proj.weight"] == (8960, 512)
     assert names["layers.1.mlp.experts.63.down_proj.weight"] == (2048, 1536)
     assert not any(n.startswith("layers.47.") for n in names)
@@ -66,17 +60,16 @@ def test_loader_skips_mtp_stacks_experts_and_reads_shards(tmp_path: Path) -> Non
     three = make_tiny_glm(tmp_path / "three", 3, vocab_size=512, shards=3)
     assert any(k.startswith("model.layers.3.") for k in load_file(one / "model.safetensors"))  # the MTP block
     cfg = config_from_dict(json.loads((one / "config.json").read_text()))
-    spec = spec_for("glm4_moe_lite")
-    a = spec.load(one, cfg, torch.float32, "cpu", "float")
-    b = spec.load(three, cfg, torch.float32, "cpu", "float")
-    assert {n: tuple(t.shape) for n, t in a.items()} == loaded_names(spec.schema(cfg))
+    a = load_checkpoint(one, cfg, dtype=torch.float32)
+    b = load_checkpoint(three, cfg, dtype=torch.float32)
+    assert {n: tuple(t.shape) for n, t in a.items()} == loaded_tensors(cfg)
     assert a["layers.1.mlp.experts.w1"].shape == (8, 32, 64)
     both = gate_up_view(a["layers.1.mlp.experts.w1"], a["layers.1.mlp.experts.w3"])  # type: ignore[arg-type]
     assert both is not None  # gate and up stacked as one buffer: one prefill GEMM
     up = load_file(one / "model.safetensors")["model.layers.1.mlp.experts.5.up_proj.weight"]
     assert torch.equal(both[5, 32:], up.float())
     assert all(torch.equal(a[n], b[n]) for n in a)  # type: ignore[arg-type]
-    bf16 = spec.load(one, cfg, torch.bfloat16, "cpu", "float")
+    bf16 = load_checkpoint(one, cfg, dtype=torch.bfloat16)
     assert bf16["layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert bf16["layers.1.mlp.experts.w2"].dtype == torch.bfloat16
 
@@ -86,8 +79,8 @@ def test_loader_skips_mtp_stacks_experts_and_reads_shards(tmp_path: Path) -> Non
     [
         (lambda t: t.pop("model.layers.0.self_attn.kv_b_proj.weight"), "missing 1 tensors"),
         (lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}), "unexpected"),
-        (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), "wrong shape"),
-        (lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.float8_e4m3fn)}), "not float"),
+        (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), "mis-shaped"),
+        (lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.float8_e4m3fn)}), "float8"),
     ],
 )
 def test_loader_names_bad_tensors(tmp_path: Path, edit, message: str) -> None:
@@ -97,7 +90,7 @@ def test_loader_names_bad_tensors(tmp_path: Path, edit, message: str) -> None:
     save_file(tensors, str(model_dir / "model.safetensors"))
     cfg = config_from_dict(json.loads((model_dir / "config.json").read_text()))
     with pytest.raises(CheckpointError, match=message):
-        spec_for("glm4_moe_lite").load(model_dir, cfg, torch.float32, "cpu", "float")
+        load_checkpoint(model_dir, cfg, dtype=torch.float32)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

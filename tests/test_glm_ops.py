@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from dsv4serve.attention.core import rms_norm
-from dsv4serve.attention.metadata import BatchItem, build_forward_batch
 from dsv4serve.attention.mla import MlaDims, mla_attention, mla_meta, qkv_split_norm, rope_inv_freq
+from dsv4serve.executor.inputs import forward_batch
 from dsv4serve.moe.routing import gating_top_k
+from tests.kernel_cases import step_item
 
 DIMS = MlaDims(
     num_heads=3,
@@ -38,8 +39,8 @@ def test_absorbed_and_non_absorbed_attention_agree_and_skip_poisoned_rows() -> N
             rows_table[b, p] = slot
             cache[slot] = torch.randn(DIMS.latent_width, generator=gen)
             slot += 1
-    items = [BatchItem(b, n - 1, [7], True) for b, n in enumerate(lens)]
-    batch = build_forward_batch(items, (), "cpu")
+    items = [step_item(b, n - 1, [7]) for b, n in enumerate(lens)]
+    batch = forward_batch(items, (), "cpu")
     meta = mla_meta(batch, rows_table, rope_inv_freq(DIMS.qk_rope_head_dim, 10000.0, "cpu"))
     assert meta.decode
     q_nope = torch.randn(4, 3, 8, generator=gen)

@@ -20,7 +20,7 @@ from golden_harness import Trace, compare, engine_traces, random_chunker, refere
 
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.models.tiny import make_tiny
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
 
 MAX_NEW = 32
 DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # the engine's device; the reference runs on the CPU

@@ -20,7 +20,7 @@ from golden_harness import Trace, compare, engine_traces, random_chunker, refere
 
 from dsv4serve import Engine, SamplingParams
 from dsv4serve.config import EngineConfig
-from dsv4serve.models.tiny_glm import make_tiny_glm
+from dsv4serve.models.glm4_moe_lite.tiny import make_tiny_glm
 
 MAX_NEW = 32
 TOL = 1e-3

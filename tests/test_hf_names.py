@@ -10,9 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv4serve.config import ModelConfig
-from dsv4serve.models.hf_names import official_name, official_weights
-from dsv4serve.models.loader import CheckpointError, _read, load_checkpoint, read_headers
+from dsv4serve.models.deepseek_v4.names import NAMES, official_name, official_weights
+from dsv4serve.models.loader import _read, read_headers
+from dsv4serve.models.registry import config_from_dir
+from dsv4serve.models.spec import CheckpointError
+from tests.checkpoints import load_checkpoint
 
 
 def test_transformers_state_dict_maps_to_the_loaders_weights(tiny_model_dir: Path) -> None:
@@ -20,7 +22,7 @@ def test_transformers_state_dict_maps_to_the_loaders_weights(tiny_model_dir: Pat
 
     model = DeepseekV4ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     got = official_weights(model.state_dict().items())
-    want = load_checkpoint(tiny_model_dir, ModelConfig.from_dir(tiny_model_dir), dtype=torch.float32)
+    want = load_checkpoint(tiny_model_dir, config_from_dir(tiny_model_dir), dtype=torch.float32)
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         assert isinstance(value, torch.Tensor)
@@ -50,7 +52,7 @@ def test_stacked_experts_are_read_as_per_expert_slices(tmp_path: Path) -> None:
         str(tmp_path / "model.safetensors"),
     )
     files = [tmp_path / "model.safetensors"]
-    headers = read_headers(files)
+    headers = read_headers(files, NAMES)
     assert len(headers) == 9 and headers["layers.0.ffn.experts.2.w3.weight"].shape == (4, 5)
     with safe_open(str(files[0]), framework="pt") as handle:
         handles = {files[0]: handle}
@@ -67,4 +69,4 @@ def test_one_tensor_under_two_namings_is_refused(tmp_path: Path) -> None:
         str(tmp_path / "a.safetensors"),
     )
     with pytest.raises(CheckpointError, match=r"embed\.weight: present twice .*model\.embed_tokens\.weight"):
-        read_headers([tmp_path / "a.safetensors"])
+        read_headers([tmp_path / "a.safetensors"], NAMES)

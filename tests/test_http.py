@@ -18,10 +18,10 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsv4serve.chat.dsml import MARKERS
-from dsv4serve.chat.dsv4 import render_tool_calls
 from dsv4serve.chat.messages import FunctionCall, ToolCallSpec
 from dsv4serve.config import EngineConfig
+from dsv4serve.models.deepseek_v4.chat import render_tool_calls
+from dsv4serve.models.deepseek_v4.dsml import MARKERS
 from tests.http_harness import ServedModel, collect_stream, free
 
 ENGINE = EngineConfig(max_total_tokens=8192, max_num_seqs=32, max_num_batched_tokens=512)

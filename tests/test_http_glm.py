@@ -16,11 +16,11 @@ import msgspec
 import openai
 import pytest
 
-from dsv4serve.chat import template_for
-from dsv4serve.chat.glm_parser import MARKERS
 from dsv4serve.chat.messages import ChatMessage, ChatPrompt, ToolSpec
 from dsv4serve.config import EngineConfig
-from dsv4serve.models.tiny_glm import make_tiny_glm
+from dsv4serve.models.glm4_moe_lite.parser import MARKERS
+from dsv4serve.models.glm4_moe_lite.tiny import make_tiny_glm
+from dsv4serve.models.registry import spec_for
 from tests.http_harness import ServedModel, collect_stream
 
 ENGINE = EngineConfig(max_total_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512)
@@ -95,7 +95,7 @@ def test_prompt_is_the_checkpoints_template(
         tools=[WEATHER],
         max_tokens=20,
     )
-    template = template_for("glm4_moe_lite", glm_dir)
+    template = spec_for("glm4_moe_lite").chat_template(glm_dir)
     prompt = ChatPrompt(
         messages=tuple(msgspec.convert(m, ChatMessage) for m in messages),
         tools=(msgspec.convert(WEATHER, ToolSpec),),

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve.attention import reference
-from dsv4serve.attention import sparse_triton as kt
-from tests.kernel_cases import Case, kernel_model, make_case, on_device
+from dsv4serve.attention import dsv4 as reference
+from dsv4serve.backends.cuda import sparse as kt
+from tests.kernel_cases import Case, kernel_model, make_case, on_device, pool_of
 
 STEPS = [
     [(0, 9), (20, 1), (3, 5), (47, 1)],  # chunks after a cached prefix, decodes, windows crossing pages
@@ -54,8 +54,8 @@ def _check_fp32(case: Case, ratio: int, topk: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     q = on_device(torch.randn(T, H, D, generator=gen))
     sinks = on_device(torch.randn(H, generator=gen))
-    swa = case.pools.swa[layer].view(-1, D)
-    cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D) if ratio else None
+    swa = case.buffer("swa", layer)
+    cmp = case.buffer(pool_of(ratio), layer) if ratio else None
     idx = _indices(case, gen, topk) if ratio == 4 else None
     ref = reference.sparse_attention(q, swa, cmp, idx, case.ref, sinks, D**-0.5, ratio)
     got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, ratio)
@@ -69,7 +69,7 @@ def test_sparse_attention_bf16_close_to_fp32_reference(path: str) -> None:
     gen = torch.Generator().manual_seed(8)
     q = on_device(torch.randn(T, H, D, generator=gen).bfloat16())
     sinks = on_device(torch.randn(H, generator=gen))
-    swa, cmp = case.pools.swa[1].view(-1, D), case.pools.c4[1].view(-1, D)
+    swa, cmp = case.buffer("swa", 1), case.buffer("c4", 1)
     idx = _indices(case, gen, 5)
     ref = reference.sparse_attention(q.float(), swa.float(), cmp.float(), idx, case.ref, sinks, D**-0.5, 4)
     got = kt.sparse_attention(q, swa, cmp, idx, case.fused, sinks, D**-0.5, 4)
@@ -120,8 +120,8 @@ def test_sparse_attention_prefill_tiles_bf16(ratio: int) -> None:
     gen = torch.Generator().manual_seed(12)
     q = on_device(torch.randn(T, H, D, generator=gen).bfloat16())
     sinks = on_device(torch.randn(H, generator=gen))
-    swa = case.pools.swa[layer].view(-1, D)
-    cmp = (case.pools.c4 if ratio == 4 else case.pools.c128)[layer].view(-1, D) if ratio else None
+    swa = case.buffer("swa", layer)
+    cmp = case.buffer(pool_of(ratio), layer) if ratio else None
     idx = _indices(case, gen, 60) if ratio == 4 else None
     ref = reference.sparse_attention(
         q.float(), swa.float(), None if cmp is None else cmp.float(), idx, case.ref, sinks, D**-0.5, ratio

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.attention import reference
+from dsv4serve.attention import dsv4 as reference
 from dsv4serve.attention.compressor import CompressorWeights
-from dsv4serve.attention.compressor_triton import compressor
-from tests.kernel_cases import make_case, on_device
+from dsv4serve.backends.cuda.compressor import compressor
+from tests.kernel_cases import make_case, on_device, pool_of
 
 STEPS = [[(0, 9), (15, 1), (5, 22), (31, 1), (2, 2)], [(0, 1), (3, 1), (0, 17)]]
 
@@ -36,14 +36,11 @@ def test_compressor_matches_reference(steps: list, ratio: int, state_mode: str, 
     gen = torch.Generator().manual_seed(22)
     w = _weights(ratio, d, hidden, gen, torch.float32)
     x = on_device(torch.randn(case.batch.num_tokens, hidden, generator=gen))
-    pools = case.pools
-    state = (pools.c4_state if ratio == 4 else pools.c128_state)[layer]
-    out = (pools.c4 if ratio == 4 else pools.c128)[layer]
-    state, out = state.view(-1, state.shape[-1]), out.view(-1, d)
+    state, out = case.buffer(f"{pool_of(ratio)}_state", layer), case.buffer(pool_of(ratio), layer)
     want_state, want_out = state.clone(), out.clone()
     reference.compressor(x, w, want_state, want_out, case.ref, ratio, 1e-6)
     compressor(x, w, state, out, case.fused, ratio, 1e-6, linear=F.linear)
-    sentinel = case.sentinels()[ratio]
+    sentinel = case.step_tables().state_sentinels[ratio]
     keep = torch.ones(state.shape[0], dtype=torch.bool, device=state.device)
     keep[sentinel] = False  # the reference parks the rows nobody keeps on the sentinel slot
     torch.testing.assert_close(state[keep], want_state[keep], atol=1e-5, rtol=1e-5, equal_nan=True)
@@ -60,7 +57,7 @@ def test_compressor_bf16_close_to_reference() -> None:
     gen = torch.Generator().manual_seed(24)
     w = _weights(4, d, hidden, gen, torch.bfloat16)
     x = on_device(torch.randn(case.batch.num_tokens, hidden, generator=gen).bfloat16())
-    state, out = case.pools.c4_state[1].view(-1, 4 * d), case.pools.c4[1].view(-1, d)
+    state, out = case.buffer("c4_state", 1), case.buffer("c4", 1)
     want_state, want_out = state.clone(), out.clone()
     reference.compressor(x, w, want_state, want_out, case.ref, 4, 1e-6)
     compressor(x, w, state, out, case.fused, 4, 1e-6, linear=F.linear)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve.attention import core, reference
-from dsv4serve.attention import indexer_triton as kt
+from dsv4serve.attention import core
+from dsv4serve.attention import dsv4 as reference
+from dsv4serve.backends.cuda import indexer as kt
 from tests.kernel_cases import make_case, on_device
 
 STEPS = [[(0, 9), (40, 1), (13, 6), (70, 1)], [(0, 3), (7, 1)]]
@@ -22,7 +23,7 @@ def test_indexer_topk_matches_reference_with_exact_ties(steps: list, dtype: str,
     torch_dtype = getattr(torch, dtype)
     T, Hi, Di = case.batch.num_tokens, case.cfg.index_n_heads, case.cfg.index_head_dim
     gen = torch.Generator().manual_seed(12)
-    keys = case.pools.c4_index[1].view(-1, Di)
+    keys = case.buffer("c4_index", 1)
     live = ~keys.float().isnan().any(-1) & ~keys.float().isinf().any(-1)
     keys[live] = on_device(torch.randint(-1, 2, (int(live.sum()), Di), generator=gen).to(torch_dtype))
     q = on_device(torch.randint(-2, 3, (T, Hi, Di), generator=gen).to(torch_dtype))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve import quant
-from dsv4serve import quant_triton as kt
-from dsv4serve.triton_utils import arrival_counters
+from dsv4serve.backends.cuda import linear as kt
+from dsv4serve.backends.cuda.triton_utils import arrival_counters
+from dsv4serve.layers import linear as quant
 from tests.kernel_cases import on_device
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve import mhc
-from dsv4serve import mhc_triton as kt
-from dsv4serve.triton_utils import launch_options
+from dsv4serve.backends.cuda import mhc as kt
+from dsv4serve.backends.cuda.triton_utils import launch_options
+from dsv4serve.layers import mhc
 from tests.kernel_cases import on_device
 
 PARAMS = mhc.HcParams(mult=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)

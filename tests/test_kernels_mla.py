@@ -12,11 +12,12 @@ import pytest
 import torch
 from golden_harness import compare, engine_traces, random_chunker
 
-from dsv4serve.attention import mla, mla_triton
+from dsv4serve.attention import mla
+from dsv4serve.backends.cuda import backend as triton_backend
+from dsv4serve.backends.cuda import mla as mla_triton
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.executor.triton_backend import triton_backend
-from dsv4serve.models.tiny_glm import make_tiny_glm
+from dsv4serve.models.glm4_moe_lite.tiny import make_tiny_glm
 from tests.kernel_cases import DEVICE, on_device
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsv4serve.backends.cuda.experts import align, align_torch, grouped_mm_experts, routed_experts
+from dsv4serve.layers.linear import quantize_int8
 from dsv4serve.moe.experts import gate_up_view, routed_experts_reference, swiglu
-from dsv4serve.moe.experts_triton import align, align_torch, grouped_mm_experts, routed_experts
 from dsv4serve.moe.routing import gating_top_k
-from dsv4serve.quant import quantize_int8
 from tests.kernel_cases import on_device
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve.attention import core, reference
-from dsv4serve.attention import norm_rope_triton as kt
+from dsv4serve.attention import core
+from dsv4serve.attention import dsv4 as reference
+from dsv4serve.backends.cuda import norm_rope as kt
 from tests.kernel_cases import kernel_model, make_case, on_device
 
 STEPS = [(0, 7), (5, 1), (13, 3), (30, 1)]
@@ -68,7 +69,7 @@ def test_kv_norm_rope_store_writes_the_same_slots(state_mode: str, dtype: str, h
     gen = torch.Generator().manual_seed(4)
     kv = on_device(torch.randn(T, D, generator=gen).to(getattr(torch, dtype)))
     w = on_device(torch.randn(D, generator=gen).to(kv.dtype))
-    pool = case.pools.swa[0].view(-1, D)
+    pool = case.buffer("swa", 0)
     want = pool.clone()
     reference.kv_norm_rope_store(kv, w, want, case.ref, True, 1e-6)
     kt.kv_norm_rope_store(kv, w, pool, case.fused, True, 1e-6)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4serve import triton_utils
-from dsv4serve.attention.norm_rope_triton import rms_norm
-from dsv4serve.quant_triton import gemm
+from dsv4serve.backends.cuda import triton_utils
+from dsv4serve.backends.cuda.linear import gemm
+from dsv4serve.backends.cuda.norm_rope import rms_norm
 from tests.kernel_cases import DEVICE, on_device
 
 

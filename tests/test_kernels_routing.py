@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4serve.backends.cuda.routing import gating_top_k as triton_gating_top_k
 from dsv4serve.moe.routing import gating_top_k
-from dsv4serve.moe.routing_triton import gating_top_k as triton_gating_top_k
 from tests.kernel_cases import on_device
 
 GROUPED = [{}, {"group_count": 4, "k_group": 2, "group_select_mode": 1}, {"group_count": 3, "k_group": 2}]

@@ -1,4 +1,4 @@
-"""The Triton step metadata (`step_triton.prepare_step_fused`) equals `prepare_step`'s, field by field,
+"""The Triton step metadata (`backends/cuda/step.prepare_step_fused`) equals `prepare_step`'s, field by field,
 on random ragged steps: prefill chunks after cached prefixes, decodes, padded windows (index -1), a
 step with no closing window, and a model without compressed layers (interpreter on CPU)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv4serve.attention.step import StepMeta, prepare_step
-from dsv4serve.attention.step_triton import prepare_step_fused
+from dsv4serve.backends.cuda.step import prepare_step_fused
 from tests.kernel_cases import make_case
 
 STEPS = [
@@ -40,7 +40,7 @@ def _equal(got: StepMeta, want: StepMeta) -> None:
 @pytest.mark.parametrize("pad_windows", [False, True])
 def test_fused_step_metadata_equals_prepare_step(steps: list, pad_windows: bool) -> None:
     case = make_case(5, steps, page_size=4, pad_windows=pad_windows)
-    args = (case.batch, case.tables, case.rope, case.cfg.sliding_window, case.sentinels())
+    args = (case.batch, case.step_tables(), case.rope, case.cfg.sliding_window)
     _equal(prepare_step_fused(*args), prepare_step(*args, with_geometry=False))
 
 
@@ -48,5 +48,5 @@ def test_fused_step_metadata_without_windows() -> None:
     """A model without compressed layers has no window metadata (and no keep_from)."""
     case = make_case(5, STEPS[0], page_size=4)
     batch = dataclasses.replace(case.batch, windows={})
-    args = (batch, case.tables, case.rope, case.cfg.sliding_window, case.sentinels())
+    args = (batch, case.step_tables(), case.rope, case.cfg.sliding_window)
     _equal(prepare_step_fused(*args), prepare_step(*args, with_geometry=False))

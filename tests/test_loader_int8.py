@@ -16,11 +16,13 @@ from golden_harness import engine_traces
 from safetensors.torch import load_file, save_file
 
 from dsv4serve import cli
-from dsv4serve.config import EngineConfig, ModelConfig
-from dsv4serve.models.loader import CheckpointError, load_checkpoint, loaded_tensors
-from dsv4serve.models.tiny import make_tiny
-from dsv4serve.models.weights import takes_int8
-from dsv4serve.quant import Int8Weight, quantize_int8, quantize_weights_int8
+from dsv4serve.config import EngineConfig
+from dsv4serve.layers.linear import Int8Weight, quantize_int8, quantize_weights_int8
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
+from dsv4serve.models.registry import config_from_dir
+from dsv4serve.models.spec import CheckpointError
+from tests.checkpoints import int8_names, load_checkpoint, loaded_int8_names, loaded_tensors
 
 DESCRIPTION = "quant_model_description.json"
 WEIGHTS = "quant_model_weights.safetensors"
@@ -40,8 +42,8 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(small: Path) -> ModelConfig:
-    return ModelConfig.from_dir(small)
+def model(small: Path) -> DeepseekV4Config:
+    return config_from_dir(small)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def test_tiny_w8a8_has_the_msmodelslim_layout(small: Path, tensors: dict, descri
     assert description["model_quant_type"] == "W8A8_DYNAMIC" and description["version"] == "1.0.0"
     assert set(tensors) <= set(description)  # every tensor described
     quantized = {n for n in tensors if description[n] == "W8A8_DYNAMIC" and n.endswith(".weight")}
-    eligible = {n for n in tensors if n.endswith(".weight") and takes_int8(n)}
+    eligible = {n for n in tensors if n.endswith(".weight") and n in int8_names(config_from_dir(small))}
     # msModelSlim's DSV4 recipe keeps wo_b (with wo_a, compressors, router, ...) in floating point
     assert quantized == {n for n in eligible if not n.endswith("attn.wo_b.weight")}
     assert (
@@ -104,9 +106,9 @@ def test_cli_make_tiny_passes_quant(
         calls.append((out_dir, seed, quant))
         return out_dir
 
-    fake = types.ModuleType("dsv4serve.models.tiny")
+    fake = types.ModuleType("dsv4serve.models.deepseek_v4.tiny")
     fake.make_tiny = make_tiny  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dsv4serve.models.tiny", fake)
+    monkeypatch.setitem(sys.modules, "dsv4serve.models.deepseek_v4.tiny", fake)
     assert cli.main(["make-tiny", str(tmp_path / "q"), "--seed", "2", "--quant", "w8a8"]) == 0
     assert cli.main(["make-tiny", str(tmp_path / "f")]) == 0
     assert calls == [(tmp_path / "q", 2, "w8a8"), (tmp_path / "f", 0, None)]
@@ -119,13 +121,13 @@ def test_cli_make_tiny_passes_quant(
 
 
 def test_loads_int8_weights_equal_to_online_quantization(w8a8_dir: Path, tiny_model_dir: Path) -> None:
-    model = ModelConfig.from_dir(w8a8_dir)
+    model = config_from_dir(w8a8_dir)
     got = load_checkpoint(w8a8_dir, model, dtype=torch.float32)
     plain = load_checkpoint(tiny_model_dir, model, dtype=torch.float32)
     assert {n: w.shape for n, w in got.items()} == loaded_tensors(model)
     int8 = {n for n, w in got.items() if isinstance(w, Int8Weight)}
     assert "layers.4.ffn.experts.w1" in int8 and "layers.0.ffn.shared_experts.w2.weight" in int8
-    assert int8 == {n for n in got if takes_int8(n) and not n.endswith("attn.wo_b.weight")}
+    assert int8 == {n for n in got if n in loaded_int8_names(model) and not n.endswith("attn.wo_b.weight")}
     for name, w in got.items():
         ref = plain[name]
         assert isinstance(ref, torch.Tensor)
@@ -137,15 +139,15 @@ def test_loads_int8_weights_equal_to_online_quantization(w8a8_dir: Path, tiny_mo
             assert torch.equal(w, ref), name
 
 
-def test_online_quantization_keeps_loaded_int8_weights(small: Path, model: ModelConfig) -> None:
+def test_online_quantization_keeps_loaded_int8_weights(small: Path, model: DeepseekV4Config) -> None:
     got = load_checkpoint(small, model, dtype=torch.float32)
-    again = quantize_weights_int8(got)
+    again = quantize_weights_int8(got, loaded_int8_names(model))
     assert all(again[n] is w for n, w in got.items() if isinstance(w, Int8Weight))
     assert isinstance(again["layers.1.attn.wo_b.weight"], Int8Weight)  # float there: quantized online
 
 
 def test_sharded_and_variant_layouts_load_the_same(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     reference = load_checkpoint(small, model, dtype=torch.float32)
     sharded = make_tiny(tmp_path / "sharded", seed=4, vocab_size=1024, quant="w8a8", shards=3)
@@ -214,12 +216,12 @@ def test_engine_on_w8a8_without_weight_quant_tracks_the_float_model(
 # ------------------------------------------------------------------------------------ refusals
 
 
-def _load(src: Path, model: ModelConfig) -> None:
+def _load(src: Path, model: DeepseekV4Config) -> None:
     load_checkpoint(src, model, dtype=torch.float32)
 
 
 def test_nonzero_offset_is_refused(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     name = "layers.2.ffn.experts.3.w2.weight_offset"
     bad = tensors | {name: tensors[name].clone().index_fill_(0, torch.tensor([5]), 1.0)}
@@ -228,7 +230,7 @@ def test_nonzero_offset_is_refused(
 
 
 def test_unsupported_quant_type_is_named(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     static = description | dict.fromkeys((WQ_A, WQ_A + "_scale", WQ_A + "_offset"), "W8A8")
     with pytest.raises(CheckpointError, match=rf"not supported: .*{WQ_A} \(W8A8\)"):
@@ -236,7 +238,7 @@ def test_unsupported_quant_type_is_named(
 
 
 def test_int8_on_a_float_only_tensor_is_named(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     name = "layers.1.attn.wo_a.weight"
     q = quantize_int8(tensors[name])
@@ -252,7 +254,7 @@ def test_int8_on_a_float_only_tensor_is_named(
 
 @pytest.mark.parametrize("suffix", ["_scale", "_offset"])
 def test_missing_companion_is_named(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path, suffix: str
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path, suffix: str
 ) -> None:
     bad = {n: t for n, t in tensors.items() if n != WQ_A + suffix}
     with pytest.raises(CheckpointError, match=rf"{WQ_A}: W8A8_DYNAMIC weight without {WQ_A}{suffix}$"):
@@ -260,7 +262,7 @@ def test_missing_companion_is_named(
 
 
 def test_misshaped_companions_and_weights_are_named(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     scale = "layers.3.attn.wkv.weight_scale"
     weight = "layers.0.ffn.shared_experts.w1.weight"
@@ -272,7 +274,7 @@ def test_misshaped_companions_and_weights_are_named(
 
 
 def test_orphan_companion_is_unexpected(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     orphan = "layers.0.attn.wo_b.weight_scale"  # wo_b is FLOAT
     extra = tensors | {orphan: torch.ones(64, 1)}
@@ -281,7 +283,7 @@ def test_orphan_companion_is_unexpected(
 
 
 def test_int8_weight_described_as_float_is_refused(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     desc = description | {WQ_A: "FLOAT"}
     with pytest.raises(CheckpointError, match=rf"2 unexpected tensors: {WQ_A}_offset, {WQ_A}_scale"):
@@ -292,7 +294,7 @@ def test_int8_weight_described_as_float_is_refused(
 
 
 def test_float_weight_described_as_int8_is_refused(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     bad = tensors | {WQ_A: tensors[WQ_A].float()}
     with pytest.raises(CheckpointError, match=rf"{WQ_A}: W8A8_DYNAMIC weight of dtype F32, expected I8"):
@@ -300,7 +302,7 @@ def test_float_weight_described_as_int8_is_refused(
 
 
 def test_experts_of_one_layer_must_share_a_format(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     name = "layers.2.ffn.experts.1.w3.weight"
     base = name.removesuffix(".weight")
@@ -314,7 +316,7 @@ def test_experts_of_one_layer_must_share_a_format(
 
 
 def test_gate_and_up_experts_must_share_a_format(
-    small: Path, model: ModelConfig, tensors: dict, description: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, description: dict, tmp_path: Path
 ) -> None:
     """Every w3 float, every w1 int8: each projection is uniform, but gate and up load into one buffer."""
     bad, floats = dict(tensors), {}
@@ -330,7 +332,7 @@ def test_gate_and_up_experts_must_share_a_format(
 
 
 def test_malformed_description_is_named(
-    small: Path, model: ModelConfig, tensors: dict, tmp_path: Path
+    small: Path, model: DeepseekV4Config, tensors: dict, tmp_path: Path
 ) -> None:
     src = variant(small, tmp_path, tensors, {})
     (src / DESCRIPTION).write_text("[1, 2]")

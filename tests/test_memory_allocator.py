@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 from memory_fixtures import TINY, P, tiny_engine, tiny_model_dict
 
-from dsv4serve.config import EngineConfig, ModelConfig
+from dsv4serve.config import EngineConfig
 from dsv4serve.memory import KVAllocator, PoolSizes, PoolUsage, Refusal, keep_start, ring_slots
-from dsv4serve.memory.sizing_layout import engine_pool_sizes
+from dsv4serve.memory.sizing import engine_pool_sizes
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+from dsv4serve.models.registry import config_from_json_file
 from dsv4serve.protocol import CacheLocs
 
 FLASH_CONFIG = Path(__file__).resolve().parents[2] / "shared/fixtures/configs/deepseek_v4_flash.config.json"
@@ -164,7 +166,7 @@ def test_pool_sizes_for_the_tiny_engine() -> None:
 
 
 def test_pools_for_missing_ratios_stay_empty() -> None:
-    model = ModelConfig.from_dict({**tiny_model_dict(), "compress_ratios": [0, 0, 16, 16]})
+    model = DeepseekV4Config.from_dict({**tiny_model_dict(), "compress_ratios": [0, 0, 16, 16]})
     for mode in ("paged", "ring"):
         alloc = KVAllocator(model, ENGINE.with_(state_mode=mode))
         locs = granted(alloc.allocate("a", 0, 40, 0))
@@ -173,7 +175,7 @@ def test_pools_for_missing_ratios_stay_empty() -> None:
 
 
 def test_flash_state_pool_sizes() -> None:
-    flash = ModelConfig.from_json_file(FLASH_CONFIG)
+    flash = config_from_json_file(FLASH_CONFIG)
     engine = EngineConfig(page_size=128, max_num_seqs=64, max_total_tokens=1 << 20)
     sizes = engine_pool_sizes(flash, engine)
     assert (sizes.c4_state * 128, sizes.c128_state * 128) == (16384, 24576)

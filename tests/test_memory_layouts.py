@@ -18,11 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsv4serve.actors.kv_writer import run_kv_writer
-from dsv4serve.config import EngineConfig, ring_size
-from dsv4serve.layout import BufferSpec, KVLayout, PoolSpec
+from dsv4serve.config import EngineConfig
 from dsv4serve.memory import KVAllocator, PoolSizes, Refusal, SlotTables, keep_start, write_cache_locs
 from dsv4serve.memory.buffers import LayoutBuffers
-from dsv4serve.memory.sizing_layout import engine_pool_sizes, plan_layout
+from dsv4serve.memory.layout import BufferSpec, KVLayout, PoolSpec
+from dsv4serve.memory.paged import ring_size
+from dsv4serve.memory.sizing import GIB, engine_pool_sizes, plan_kv
 from dsv4serve.memory.tables import write_cache_locs_batch
 from dsv4serve.protocol import CacheLocs, Drain, ExecutorMsg, KVWriterMsg, StepPlan, TablesReady, WriteLocs
 
@@ -257,18 +258,19 @@ def test_the_third_layout_is_sized_and_buffered_from_its_specs() -> None:
         "gist": (3, 96 // 3 + 1),
         "carry": (3, 96),
     }
-    assert tables.gist is tables.table("gist")
     ring = engine.with_(state_mode="ring")
     for eng, sentinel in ((engine, 0), (ring, 2 * ring_size(STATE_RATIO))):
         buffers = LayoutBuffers(LAYOUT, engine_pool_sizes(TOY, eng), eng)
         assert buffers.state_sentinel == {"carry": sentinel}
         assert sorted(buffers.buffers["gist_kv"]) == [1, 2] and sorted(buffers.buffers["carry_rows"]) == [2]
         assert buffers.buffers["carry_rows"][2].dtype == torch.float32
-    plan = plan_layout(TOY, {"w": (10, 10)}, lambda name: False, dtype="float32", page_size=4, max_running=2)
+    plan = plan_kv(
+        LAYOUT, kv_bytes=4, page_size=4, max_running=2, budget_bytes=GIB, weight_bytes=400, max_position=512
+    )
     per_slot = dict(plan.bytes_per_slot)
     assert per_slot == {"tok": 3 * 8 * 4, "recent": 3 * 4 * 4, "gist": 2 * 4 * 4, "carry": 6 * 4}
     assert plan.kv_bytes_per_token == 96 + 32 / 3
     assert dict(plan.slots_per_request) == {"recent": 3 * 4, "carry": 5 * 4}
     assert plan.bytes_per_request == 12 * 48 + 20 * 24
     # capped at R * max positions, in whole units of P * 3 (every pool holds whole pages)
-    assert plan.full_slots == 2 * 512 // 12 * 12 and plan.weight_bytes == 400
+    assert plan.full_slots == 2 * 512 // 12 * 12 and plan.fixed_bytes == 400 + 2 * plan.bytes_per_request

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from memory_fixtures import TINY
 
-from dsv4serve.config import EngineConfig, ring_size
+from dsv4serve.config import EngineConfig
 from dsv4serve.memory import (
     KVAllocator,
     PoolSizes,
@@ -24,6 +24,7 @@ from dsv4serve.memory import (
     write_cache_locs,
     write_cache_locs_batch,
 )
+from dsv4serve.memory.paged import ring_size
 from dsv4serve.protocol import CacheLocs
 
 R = TINY.hca_ratio  # 16

@@ -1,4 +1,4 @@
-"""SlotTables / write_cache_locs and the KVPools device buffers."""
+"""SlotTables / write_cache_locs and the layout's device buffers."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from memory_fixtures import TINY, P, tiny_engine
 
 from dsv4serve.memory import (
     KVAllocator,
-    KVPools,
+    LayoutBuffers,
     SlotTables,
     block_table,
-    flat,
     write_cache_locs,
     write_cache_locs_batch,
 )
-from dsv4serve.memory.sizing_layout import engine_pool_sizes
+from dsv4serve.memory.sizing import engine_pool_sizes
 from dsv4serve.protocol import CacheLocs, pack_slots
 
 ENGINE = tiny_engine(max_num_seqs=3, max_total_tokens=200)
@@ -39,9 +38,9 @@ def test_table_shapes_and_zero_init() -> None:
     assert all(tables.table(n).dtype == torch.int32 and not tables.table(n).any() for n in POOL_NAMES)
     tables.point_pad_row_at({"c4_state": 7, "c128_state": 9})
     assert (
-        (tables.c4_state[3] == 7).all()
-        and (tables.c128_state[3] == 9).all()
-        and not tables.c4_state[:3].any()
+        (tables.table("c4_state")[3] == 7).all()
+        and (tables.table("c128_state")[3] == 9).all()
+        and not tables.table("c4_state")[:3].any()
     )
 
 
@@ -64,13 +63,19 @@ def test_write_cache_locs_puts_each_field_at_its_index_range() -> None:
         ),
     )
     write_cache_locs(tables, locs)
-    assert tables.full[2, 30:34].tolist() == [5, 6, 7, 8] and tables.full[2].count_nonzero() == 4
-    assert tables.swa[2, 30:34].tolist() == [9, 10, 11, 12]
-    assert tables.c4[2, 7].item() == 40 and tables.c4.count_nonzero() == 1
-    assert not tables.c128.any()
-    assert tables.c4_state[2, 32:34].tolist() == [70, 71] and tables.c4_state.count_nonzero() == 2
-    assert tables.c128_state[2, 33].item() == 99 and tables.c128_state.count_nonzero() == 1
-    assert not tables.full[:2].any()
+    assert (
+        tables.table("full")[2, 30:34].tolist() == [5, 6, 7, 8]
+        and tables.table("full")[2].count_nonzero() == 4
+    )
+    assert tables.table("swa")[2, 30:34].tolist() == [9, 10, 11, 12]
+    assert tables.table("c4")[2, 7].item() == 40 and tables.table("c4").count_nonzero() == 1
+    assert not tables.table("c128").any()
+    assert (
+        tables.table("c4_state")[2, 32:34].tolist() == [70, 71]
+        and tables.table("c4_state").count_nonzero() == 2
+    )
+    assert tables.table("c128_state")[2, 33].item() == 99 and tables.table("c128_state").count_nonzero() == 1
+    assert not tables.table("full")[:2].any()
 
 
 @pytest.mark.parametrize("mode", ["paged", "ring"])
@@ -89,9 +94,9 @@ def test_tables_from_the_allocator_give_block_tables(mode: str) -> None:
     for name in POOL_NAMES:
         assert torch.equal(one.table(name), many.table(name)), name
     row = alloc.row_of("b")
-    full = one.full[row, :41]
+    full = one.table("full")[row, :41]
     assert torch.equal(full % P, torch.arange(41, dtype=torch.int32) % P)
-    pages = block_table(one.full, P)[row, : math.ceil(41 / P)]
+    pages = block_table(one.table("full"), P)[row, : math.ceil(41 / P)]
     assert torch.equal(pages.repeat_interleave(P)[:41] * P + torch.arange(41) % P, full)
     assert pages.unique().numel() == pages.numel() and (pages > 0).all()
     one.clear_row(row)
@@ -99,23 +104,24 @@ def test_tables_from_the_allocator_give_block_tables(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["paged", "ring"])
-def test_kv_pools_shapes_and_sentinel(mode: str) -> None:
+def test_dsv4_buffers_shapes_and_sentinel(mode: str) -> None:
     engine = ENGINE.with_(state_mode=mode, dtype="bfloat16")
     sizes = engine_pool_sizes(TINY, engine)
-    pools = KVPools(TINY, sizes, engine)
-    assert len(pools.swa) == 4 and pools.swa[0].shape == (sizes.swa + 1, P, 1, 32)
-    assert pools.swa[0].dtype == torch.bfloat16
-    assert sorted(pools.c4) == [1, 3] and pools.c4[1].shape == (sizes.c4 + 1, P, 1, 32)
-    assert pools.c4_index[3].shape == (sizes.c4 + 1, P, 1, 16)
-    assert sorted(pools.c128) == [2] and pools.c128[2].shape == (sizes.c128 + 1, P, 1, 32)
-    c4s, c4i, c128s = pools.c4_state[1], pools.c4_index_state[1], pools.c128_state[2]
+    pools = LayoutBuffers(TINY.kv_layout, sizes, engine)
+    b = pools.buffers
+    assert sorted(b["swa"]) == [0, 1, 2, 3] and b["swa"][0].shape == (sizes.swa + 1, P, 1, 32)
+    assert b["swa"][0].dtype == torch.bfloat16
+    assert sorted(b["c4"]) == [1, 3] and b["c4"][1].shape == (sizes.c4 + 1, P, 1, 32)
+    assert b["c4_index"][3].shape == (sizes.c4 + 1, P, 1, 16)
+    assert sorted(b["c128"]) == [2] and b["c128"][2].shape == (sizes.c128 + 1, P, 1, 32)
+    c4s, c4i, c128s = b["c4_state"][1], b["c4_index_state"][1], b["c128_state"][2]
     assert c4s.shape == (sizes.c4_state + 1, P, 1, 128) and c4s.dtype == torch.float32
     assert c4i.shape == (sizes.c4_state + 1, P, 1, 64)
     assert c128s.shape == (sizes.c128_state + 1, P, 1, 64)
     ring = mode == "ring"
     assert pools.state_sentinel == {"c4_state": 3 * 8 if ring else 0, "c128_state": 3 * 16 if ring else 0}
-    assert flat(c4s).shape == ((sizes.c4_state + 1) * P, 128)
-    assert flat(c4s).shape[0] > pools.state_sentinel["c4_state"] + 7  # the sentinel bank fits
+    assert pools.flat("c4_state")[1].shape == ((sizes.c4_state + 1) * P, 128)
+    assert pools.flat("c4_state")[1].shape[0] > pools.state_sentinel["c4_state"] + 7  # the sentinel bank fits
     nbytes = pools.nbytes()
     assert nbytes["swa"] == 4 * (sizes.swa + 1) * P * 32 * 2
     assert nbytes["c4_state"] == 2 * (sizes.c4_state + 1) * P * 128 * 4

@@ -1,6 +1,7 @@
 """The npu backend on the CPU: the missing-torch_npu error, and its ops against the reference ops
 through a fake `torch_npu` whose functions implement the documented semantics in plain PyTorch
-(shared/reference/torch_npu_ops.md 4.1, 4.2, 4.5, 4.7 and the op-plugin docs). This checks our
+(torch_npu's op-plugin docs: npu_dynamic_quant, npu_quant_matmul, npu_moe_init_routing_v2,
+npu_grouped_matmul, npu_moe_token_unpermute). This checks our
 wrappers' plumbing (layouts, transposes, dtypes, routing index bookkeeping), not the real kernels:
 none of this has run on an Ascend NPU."""
 
@@ -12,9 +13,11 @@ import types
 import pytest
 import torch
 
-from dsv4serve.backend import REFERENCE
-from dsv4serve.executor.backends import NPU_OPS, select_backend
-from dsv4serve.quant import Int8Weight, quantize_int8
+from dsv4serve.backends import reference, select
+from dsv4serve.backends.npu import NPU_OPS
+from dsv4serve.layers.linear import Int8Weight, quantize_int8
+
+REFERENCE = reference.backend()
 
 # --- the fake torch_npu, written from the documented semantics ------------------------------------
 
@@ -118,18 +121,18 @@ def fake_npu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 def test_npu_backend_without_torch_npu_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` fail
     with pytest.raises(RuntimeError, match=r"pip install 'dsv4serve\[npu\]'"):
-        select_backend("npu")
+        select("npu")
 
 
 def test_npu_backend_names_missing_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
     with pytest.raises(RuntimeError, match="npu_quant_matmul"):
-        select_backend("npu:0")
+        select("npu:0")
 
 
 def test_cpu_backend_does_not_import_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    assert select_backend("cpu").linear is REFERENCE.linear
+    assert select("cpu").linear is REFERENCE.linear
 
 
 # --- linear ----------------------------------------------------------------------------------
@@ -144,7 +147,7 @@ def test_int8_linear_is_exact_on_integer_inputs(fake_npu: dict[str, int], dtype:
     x = torch.randint(-127, 128, (2, 5, 40), generator=gen).float()
     x[..., 7] = -127.0
     qw, xd = quantize_int8(w), x.to(dtype)
-    got = select_backend("npu").linear(xd, qw)
+    got = select("npu").linear(xd, qw)
     assert got.dtype == dtype and got.shape == (2, 5, 24)
     assert torch.equal(got, REFERENCE.linear(xd, qw))
     assert fake_npu["npu_quant_matmul"] == 1 and fake_npu["npu_dynamic_quant"] == 1
@@ -155,7 +158,7 @@ def test_int8_linear_matches_the_reference_on_random_inputs(
     fake_npu: dict[str, int], dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(1)
-    ops = select_backend("npu")
+    ops = select("npu")
     for tokens, d_in, d_out in ((1, 64, 32), (17, 256, 96), (3, 96, 200)):
         x = torch.randn(tokens, d_in, generator=gen).to(dtype)
         qw = quantize_int8(torch.randn(d_out, d_in, generator=gen))
@@ -168,7 +171,7 @@ def test_int8_linear_matches_the_reference_on_random_inputs(
 def test_fp32_and_float_weights_take_the_reference(fake_npu: dict[str, int]) -> None:
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(4, 32, generator=gen), torch.randn(16, 32, generator=gen)
-    ops = select_backend("npu")
+    ops = select("npu")
     assert torch.equal(ops.linear(x, quantize_int8(w)), REFERENCE.linear(x, quantize_int8(w)))
     assert torch.equal(ops.linear(x, w), REFERENCE.linear(x, w))
     assert fake_npu["npu_quant_matmul"] == 0
@@ -199,7 +202,7 @@ def test_float_routed_experts_match_the_reference_in_fp32(
         w13 = torch.cat([w1, w3], dim=1)
         w1, w3 = w13[:, : w1.shape[1]], w13[:, w1.shape[1] :]
     ref = REFERENCE.routed_experts(x, weights, ids, w1, w2, w3, 0.5)  # low limit: the clamp bites
-    got = select_backend("npu").routed_experts(x, weights, ids, w1, w2, w3, 0.5)
+    got = select("npu").routed_experts(x, weights, ids, w1, w2, w3, 0.5)
     assert got.dtype == torch.float32 and got.shape == x.shape
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert fake_npu["npu_grouped_matmul"] == (2 if stacked else 3)
@@ -210,7 +213,7 @@ def test_routed_experts_with_unused_experts_and_int64_ids(fake_npu: dict[str, in
     x, weights, ids, w1, w2, w3 = _moe_inputs(7, 9, experts=16, top_k=2)
     ids = ids % 5  # experts 5..15 get no tokens; (T, k) may repeat an expert per token
     ref = REFERENCE.routed_experts(x, weights, ids, w1, w2, w3, 10.0)
-    got = select_backend("npu").routed_experts(x, weights, ids, w1, w2, w3, 10.0)
+    got = select("npu").routed_experts(x, weights, ids, w1, w2, w3, 10.0)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -220,7 +223,7 @@ def test_int8_routed_experts_match_the_reference(fake_npu: dict[str, int], dtype
     x, weights = x.to(dtype), weights.to(dtype)
     q1, q2, q3 = quantize_int8(w1), quantize_int8(w2), quantize_int8(w3)
     ref = REFERENCE.routed_experts(x, weights, ids, q1, q2, q3, 1.0).float()
-    got = select_backend("npu").routed_experts(x, weights, ids, q1, q2, q3, 1.0)
+    got = select("npu").routed_experts(x, weights, ids, q1, q2, q3, 1.0)
     assert got.dtype == dtype
     assert float((got.float() - ref).abs().max() / ref.abs().max()) < 3e-2
     assert fake_npu["npu_dynamic_quant"] == 2 and fake_npu["npu_grouped_matmul"] == 3
@@ -230,6 +233,6 @@ def test_int8_experts_with_fp32_activations_take_the_fallback(fake_npu: dict[str
     x, weights, ids, w1, w2, w3 = _moe_inputs(4, 6)
     q1, q2, q3 = quantize_int8(w1), quantize_int8(w2), quantize_int8(w3)
     ref = REFERENCE.routed_experts(x, weights, ids, q1, q2, q3, 1.0)
-    got = select_backend("npu").routed_experts(x, weights, ids, q1, q2, q3, 1.0)
+    got = select("npu").routed_experts(x, weights, ids, q1, q2, q3, 1.0)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert fake_npu["npu_grouped_matmul"] == 0 and isinstance(q1[0], Int8Weight)

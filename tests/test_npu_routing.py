@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.moe.npu_routing import npu_gating_top_k
+from dsv4serve.backends.npu.routing import npu_gating_top_k
 from dsv4serve.moe.routing import gating_top_k
 
 

@@ -21,10 +21,10 @@ import torch
 from dsv4serve import Engine, SamplingParams
 from dsv4serve.actors.system import SystemOptions
 from dsv4serve.actors.tokenizer_core import load_tokenizer
+from dsv4serve.backends.cuda import backend as triton_backend
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.executor.triton_backend import triton_backend
-from dsv4serve.models.tiny import make_tiny
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
 
 FILLS = (math.nan, math.inf, -math.inf)
 DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # cuda: the Triton test runs on the GPU, graphs on
@@ -36,8 +36,8 @@ def small_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve(runner: ModelRunner, model_dir: Path, prompts: list[list[int]], max_new: int, fill: float) -> list:
-    for buffers in runner.pools.families().values():
-        for buffer in buffers:
+    for buffers in runner.cache.buffers.values():
+        for buffer in buffers.values():
             buffer.fill_(fill)
     options = SystemOptions(model_dir, runner.engine, prebuilt=(runner, load_tokenizer(model_dir)))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, logprobs=True)

@@ -10,7 +10,7 @@ import torch
 from golden_harness import engine_traces
 
 from dsv4serve.config import ConfigError, EngineConfig
-from dsv4serve.quant import Int8Weight, linear, quantize_activation, quantize_int8
+from dsv4serve.layers.linear import Int8Weight, linear, quantize_activation, quantize_int8
 
 
 def test_int8_linear_is_close_to_the_float_linear_on_random_inputs() -> None:

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from test_formats import ENGINE, SEED, VOCAB, official_pair
 
 from dsv4serve import cli
-from dsv4serve.config import ModelConfig
-from dsv4serve.models.loader import load_checkpoint
-from dsv4serve.models.tiny import make_tiny
-from dsv4serve.quant import Int8Weight, quantize_int8
+from dsv4serve.layers.linear import Int8Weight, quantize_int8
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
+from dsv4serve.models.registry import config_from_dir
+from tests.checkpoints import load_checkpoint
 
 MS, CT = "w8a8-msmodelslim", "w8a8-compressed-tensors"
 SHARD_MIB = "0.05"  # ~50 KiB: the small model splits into several shards
@@ -43,7 +43,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def floats(small: Path) -> dict[str, Any]:
-    return load_checkpoint(small, ModelConfig.from_dir(small), dtype=torch.float32)
+    return load_checkpoint(small, config_from_dir(small), dtype=torch.float32)
 
 
 def _file_names(out: Path) -> dict[str, str]:
@@ -72,7 +72,7 @@ def test_msmodelslim_round_trip(small: Path, floats: dict, tmp_path: Path) -> No
         on_disk["layers.2.ffn.experts.3.w1.weight"] == "I8" and on_disk["layers.2.attn.wo_b.weight"] == "F32"
     )
     assert description["layers.2.ffn.experts.3.w1.weight_offset"] == "W8A8_DYNAMIC"
-    got = load_checkpoint(out, ModelConfig.from_dir(out), dtype=torch.float32)
+    got = load_checkpoint(out, config_from_dir(out), dtype=torch.float32)
     assert got.keys() == floats.keys()
     for name, w in got.items():
         if isinstance(w, Int8Weight):
@@ -97,7 +97,7 @@ def test_compressed_tensors_round_trip(small: Path, floats: dict, tmp_path: Path
     assert not any(n.endswith(("_offset", "zero_point")) for n in on_disk)  # symmetric: none on disk
     assert on_disk["layers.0.attn.wo_b.weight_scale"] == "F32" and on_disk["head.weight"] == "BF16"
     assert on_disk["hc_head_fn"] == "F32"  # kept fp32, as the official checkpoints do
-    got = load_checkpoint(out, ModelConfig.from_dir(out), dtype=torch.float32)
+    got = load_checkpoint(out, config_from_dir(out), dtype=torch.float32)
     int8 = {n for n, w in got.items() if isinstance(w, Int8Weight)}
     assert "layers.0.attn.wo_b.weight" in int8 and "layers.3.ffn.experts.w2" in int8
     for name, w in got.items():
@@ -121,7 +121,7 @@ def test_quantize_reads_official_mxfp4_and_fp8(small: Path, tmp_path: Path) -> N
     config = json.loads((small / "config.json").read_text())
     mx, twin = official_pair(small, load_file(str(small / "model.safetensors")), config, tmp_path)
     a, b = (quantize(src, tmp_path / name, CT) for src, name in ((mx, "a"), (twin, "b")))
-    a, b = (load_checkpoint(p, ModelConfig.from_dir(p), dtype=torch.float32) for p in (a, b))
+    a, b = (load_checkpoint(p, config_from_dir(p), dtype=torch.float32) for p in (a, b))
     assert a.keys() == b.keys()
     for name, w in a.items():
         ref = b[name]
@@ -137,9 +137,7 @@ def test_int8_input_converts_between_layouts_losslessly(small: Path, tmp_path: P
     ms = quantize(small, tmp_path / "ms", MS)
     ct = quantize(ms, tmp_path / "ct", CT)
     back = quantize(ct, tmp_path / "back", MS)
-    first, mid, last = (
-        load_checkpoint(p, ModelConfig.from_dir(p), dtype=torch.float32) for p in (ms, ct, back)
-    )
+    first, mid, last = (load_checkpoint(p, config_from_dir(p), dtype=torch.float32) for p in (ms, ct, back))
     for name, w in first.items():
         for other in (mid[name], last[name]):
             if isinstance(w, Int8Weight):

@@ -7,12 +7,13 @@ import math
 import torch
 
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs, uniform
+from tests.sampling_rows import sampling_batch
 
 
 def _params(
     n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 7, position: int = 3
 ) -> SamplingBatch:
-    return SamplingBatch.build([temperature] * n, [top_p] * n, [top_k] * n, [seed] * n, [position] * n, "cpu")
+    return sampling_batch([temperature] * n, [top_p] * n, [top_k] * n, [seed] * n, [position] * n)
 
 
 def test_greedy_is_argmax_and_logprob_matches_log_softmax() -> None:
@@ -63,7 +64,7 @@ def test_uniform_is_in_open_interval_and_roughly_uniform() -> None:
 def test_samples_follow_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(4000, -1)
-    params = SamplingBatch.build([1.0] * 4000, [1.0] * 4000, [0] * 4000, list(range(4000)), [0] * 4000, "cpu")
+    params = sampling_batch([1.0] * 4000, [1.0] * 4000, [0] * 4000, list(range(4000)), [0] * 4000)
     tokens, _ = sample(logits, params)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03), freq
@@ -72,17 +73,17 @@ def test_samples_follow_the_distribution() -> None:
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(500, -1)
     seeds = list(range(500))
-    k2 = SamplingBatch.build([1.0] * 500, [1.0] * 500, [2] * 500, seeds, [0] * 500, "cpu")
+    k2 = sampling_batch([1.0] * 500, [1.0] * 500, [2] * 500, seeds, [0] * 500)
     assert set(sample(logits, k2)[0].tolist()) == {0, 1}
     p = torch.softmax(logits[0], -1)
     top_p = float(p[0] + p[1] / 2)  # the nucleus needs tokens 0 and 1
-    nucleus = SamplingBatch.build([1.0] * 500, [top_p] * 500, [0] * 500, seeds, [0] * 500, "cpu")
+    nucleus = sampling_batch([1.0] * 500, [top_p] * 500, [0] * 500, seeds, [0] * 500)
     assert set(sample(logits, nucleus)[0].tolist()) == {0, 1}
 
 
 def test_low_temperature_concentrates_on_the_mode() -> None:
     logits = torch.tensor([[1.0, 0.9, 0.0]]).expand(300, -1)
-    params = SamplingBatch.build([0.01] * 300, [1.0] * 300, [0] * 300, list(range(300)), [0] * 300, "cpu")
+    params = sampling_batch([0.01] * 300, [1.0] * 300, [0] * 300, list(range(300)), [0] * 300)
     assert set(sample(logits, params)[0].tolist()) == {0}
 
 
@@ -94,7 +95,7 @@ def test_seeded_sample_does_not_depend_on_batch_composition() -> None:
     batch = torch.cat([others[:3], mine, others[3:]])
     seeds = [1, 2, 3, 42, 4, 5, 6]
     positions = [9, 9, 9, 11, 9, 9, 9]
-    params = SamplingBatch.build([1.0] * 7, [1.0] * 7, [0] * 7, seeds, positions, "cpu")
+    params = sampling_batch([1.0] * 7, [1.0] * 7, [0] * 7, seeds, positions)
     together, _ = sample(batch, params)
     assert int(together[3]) == int(alone[0])
 
@@ -121,7 +122,7 @@ def test_a_top_k_beyond_32_bits_is_off_not_wrapped() -> None:
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
     seeds = list(range(64))
     tokens = {
-        k: sample(logits, SamplingBatch.build([1.0] * 64, [1.0] * 64, [k] * 64, seeds, [0] * 64, "cpu"))[0]
+        k: sample(logits, sampling_batch([1.0] * 64, [1.0] * 64, [k] * 64, seeds, [0] * 64))[0]
         for k in (0, 5, 50, 2**32 + 5, 2**63 - 1)
     }
     assert torch.equal(tokens[2**32 + 5], tokens[0]) and torch.equal(tokens[2**63 - 1], tokens[0])

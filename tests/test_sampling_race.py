@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4serve.executor.sampling import SamplingBatch, sample, uniform
+from dsv4serve.executor.sampling import sample, uniform
+from tests.sampling_rows import sampling_batch
 
 VOCAB, SEED, TOP = 129280, 7, 1.0 - 2.0**-24  # TOP: the largest float32 below 1
 
@@ -28,6 +29,6 @@ def test_zero_probability_tokens_never_win() -> None:
     assert bool((u < 1).all()) and bool((u > 0).all())
     logits = torch.full((n, VOCAB), -1e4)
     logits[:, 3] = 0.0  # token 3 holds all the probability; every other one underflows to 0
-    params = SamplingBatch.build([1.0] * n, [1.0] * n, [0] * n, [SEED] * n, rows, "cpu", want_logprobs=False)
+    params = sampling_batch([1.0] * n, [1.0] * n, [0] * n, [SEED] * n, rows, want_logprobs=False)
     tokens, _ = sample(logits, params)
     assert tokens.tolist() == [3] * n

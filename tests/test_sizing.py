@@ -1,36 +1,62 @@
-"""memory/sizing.py (DSV4's plan over sizing_layout.py): every Flash figure checked against arithmetic
-written out by hand."""
+"""`plan` (models/plan.py over memory/sizing.py) for DeepSeek-V4: every Flash figure checked against
+arithmetic written out by hand."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4serve.config import ConfigError, ModelConfig, npu_state_pool_size
-from dsv4serve.memory.sizing import count_weights, plan
-from dsv4serve.memory.sizing_layout import GIB, token_unit, window_pages
+from dsv4serve.config import ConfigError
+from dsv4serve.memory.paged import npu_state_pool_size
+from dsv4serve.memory.sizing import GIB, token_unit, window_pages
+from dsv4serve.models.deepseek_v4 import SPEC
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+from dsv4serve.models.plan import DevicePlan
+from dsv4serve.models.plan import count_weights as count_schema
+from dsv4serve.models.plan import plan as device_plan
+from dsv4serve.models.registry import config_from_json_file
 
 
-def swa_slots_per_request(model: ModelConfig, page_size: int) -> int:
+def swa_slots_per_request(model: DeepseekV4Config, page_size: int) -> int:
     return window_pages(model.sliding_window, page_size) * page_size
 
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "configs"
 OFFICIAL_FLASH_TOTAL_SIZE = 159_609_485_896  # model.safetensors.index.json of DeepSeek-V4-Flash
 
 
-def load(name: str) -> ModelConfig:
-    return ModelConfig.from_json_file(FIXTURES / f"deepseek_v4_{name}.config.json")
+def load(name: str) -> DeepseekV4Config:
+    """An official config, shipped in the package (`deepseek-v4-flash`, `deepseek-v4-pro`)."""
+    return config_from_json_file(f"deepseek-v4-{name}")
+
+
+def plan(model: DeepseekV4Config, **kwargs: Any) -> DevicePlan:
+    return device_plan(SPEC, model, **kwargs)
+
+
+def count_weights(
+    model: DeepseekV4Config, weight_format: str
+) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+    return count_schema(SPEC.schema(model), weight_format)
+
+
+def pool(p: DevicePlan, name: str, figure: str) -> Any:
+    """A pool's figure in the plan's JSON: bytes_per_slot, slots_per_request or slots."""
+    return p.to_dict()["pools"].get(name, {}).get(figure, 0)
+
+
+def buffer_per_token(p: DevicePlan, pool_name: str, buffer: str, ratio: int) -> float:
+    b = p.to_dict()["pools"][pool_name]["buffers"][buffer]
+    return b["layers"] * b["width"] * p.dtype_bytes / ratio
 
 
 @pytest.fixture(scope="module")
-def flash() -> ModelConfig:
+def flash() -> DeepseekV4Config:
     return load("flash")
 
 
@@ -68,7 +94,7 @@ def flash_bytes_by_hand() -> tuple[int, int]:
     return main, mtp
 
 
-def test_flash_weights_match_the_official_checkpoint_size(flash: ModelConfig) -> None:
+def test_flash_weights_match_the_official_checkpoint_size(flash: DeepseekV4Config) -> None:
     main, mtp = flash_bytes_by_hand()
     assert main + mtp == OFFICIAL_FLASH_TOTAL_SIZE
     params, nbytes, groups = count_weights(flash, "official")
@@ -77,7 +103,7 @@ def test_flash_weights_match_the_official_checkpoint_size(flash: ModelConfig) ->
     assert dict(groups)["routed_experts"] == 43 * 256 * (2 * fp4(2048, 4096) + fp4(4096, 2048))
 
 
-def test_bf16_weights(flash: ModelConfig) -> None:
+def test_bf16_weights(flash: DeepseekV4Config) -> None:
     params, _, groups = count_weights(flash, "bf16")
     assert params == count_weights(flash, "official")[0]
     assert dict(groups)["routed_experts"] == 43 * 256 * 3 * 2048 * 4096 * 2
@@ -86,82 +112,88 @@ def test_bf16_weights(flash: ModelConfig) -> None:
         count_weights(flash, "int4")
 
 
-def test_flash_per_token_and_per_request_figures(flash: ModelConfig) -> None:
+def test_flash_per_token_and_per_request_figures(flash: DeepseekV4Config) -> None:
     p = plan(flash, dtype="bfloat16", page_size=128, max_running=64, hbm_gib=64)
-    assert (p.num_layers, p.num_c4_layers, p.num_c128_layers, p.hca_ratio) == (43, 21, 20, 128)
-    assert p.swa_bytes_per_token == 43 * 512 * 2 == 44032
-    assert p.c4_bytes_per_token == 21 * 512 * 2 / 4 == 5376
-    assert p.c4_indexer_bytes_per_token == 21 * 128 * 2 / 4 == 1344
-    assert p.c128_bytes_per_token == 20 * 512 * 2 / 128 == 160
-    assert p.kv_bytes_per_token == 5376 + 1344 + 160 == 6880
-    assert p.c4_state_bytes_per_slot == 21 * (2 * 2 * 512 + 2 * 2 * 128) * 4 == 215040
-    assert p.c128_state_bytes_per_slot == 20 * 2 * 512 * 4 == 81920
-    assert (p.swa_slots_per_request, p.c4_state_slots_per_request, p.c128_state_slots_per_request) == (
-        256,
-        256,
-        384,
+    assert p.num_layers == 43 and (len(flash.c4_layers), len(flash.c128_layers), flash.hca_ratio) == (
+        21,
+        20,
+        128,
     )
-    assert p.bytes_per_request == 256 * 44032 + 256 * 215040 + 384 * 81920 == 97_779_712
-    assert (p.swa_slots, p.c4_state_slots, p.c128_state_slots) == (64 * 256, 16384, 24576)
+    assert pool(p, "swa", "bytes_per_slot") == 43 * 512 * 2 == 44032
+    assert buffer_per_token(p, "c4", "c4", 4) == 21 * 512 * 2 / 4 == 5376
+    assert buffer_per_token(p, "c4", "c4_index", 4) == 21 * 128 * 2 / 4 == 1344
+    assert buffer_per_token(p, "c128", "c128", 128) == 20 * 512 * 2 / 128 == 160
+    assert p.kv.kv_bytes_per_token == 5376 + 1344 + 160 == 6880
+    assert pool(p, "c4_state", "bytes_per_slot") == 21 * (2 * 2 * 512 + 2 * 2 * 128) * 4 == 215040
+    assert pool(p, "c128_state", "bytes_per_slot") == 20 * 2 * 512 * 4 == 81920
+    per_request = [pool(p, name, "slots_per_request") for name in ("swa", "c4_state", "c128_state")]
+    assert per_request == [256, 256, 384]
+    assert p.kv.bytes_per_request == 256 * 44032 + 256 * 215040 + 384 * 81920 == 97_779_712
+    assert [pool(p, name, "slots") for name in ("swa", "c4_state", "c128_state")] == [64 * 256, 16384, 24576]
 
 
-def test_flash_on_one_64_gib_device_does_not_fit(flash: ModelConfig) -> None:
+def test_flash_on_one_64_gib_device_does_not_fit(flash: DeepseekV4Config) -> None:
     p = plan(flash, hbm_gib=64)
-    assert p.budget_bytes == 64 * GIB
-    assert p.fixed_bytes == 156_015_698_140 + 64 * 97_779_712
-    assert (p.token_budget_bytes, p.full_slots, p.c4_slots, p.c128_slots, p.kv_bytes) == (0, 0, 0, 0, 0)
-    assert not p.fits
+    assert p.kv.budget_bytes == 64 * GIB
+    assert p.kv.fixed_bytes == 156_015_698_140 + 64 * 97_779_712
+    slots = (pool(p, "full", "slots"), pool(p, "c4", "slots"), pool(p, "c128", "slots"))
+    assert (p.kv.token_budget_bytes, *slots, p.kv.kv_bytes) == (0, 0, 0, 0, 0)
+    assert not p.kv.fits
 
 
-def test_flash_on_eight_64_gib_devices(flash: ModelConfig) -> None:
+def test_flash_on_eight_64_gib_devices(flash: DeepseekV4Config) -> None:
     p = plan(flash, hbm_gib=64, num_devices=8)
     assert p.weight_bytes_per_device == math.ceil(156_015_698_140 / 8) == 19_501_962_268
     left = 64 * GIB - 19_501_962_268 - 64 * 97_779_712
-    assert p.token_budget_bytes == left == 42_959_612_900
+    assert p.kv.token_budget_bytes == left == 42_959_612_900
     unit = 128 * 128  # whole pages in c4 (unit / 4) and c128 (unit / 128)
     assert left // (unit * 6880) == 381
-    assert (p.full_slots, p.c4_slots, p.c128_slots) == (381 * unit, 381 * unit // 4, 381 * unit // 128)
-    assert p.kv_bytes == p.full_slots * 6880
-    assert p.total_bytes == p.fixed_bytes + p.kv_bytes <= p.budget_bytes
-    assert p.fits
+    slots = (pool(p, "full", "slots"), pool(p, "c4", "slots"), pool(p, "c128", "slots"))
+    assert slots == (381 * unit, 381 * unit // 4, 381 * unit // 128) and p.kv.full_slots == 381 * unit
+    assert p.kv.kv_bytes == p.kv.full_slots * 6880
+    assert p.kv.total_bytes == p.kv.fixed_bytes + p.kv.kv_bytes <= p.kv.budget_bytes
+    assert p.kv.fits
 
 
-def test_dtype_scales_kv_but_not_state(flash: ModelConfig) -> None:
+def test_dtype_scales_kv_but_not_state(flash: DeepseekV4Config) -> None:
     bf16, fp32 = plan(flash, dtype="bfloat16"), plan(flash, dtype="float32")
-    assert fp32.swa_bytes_per_token == 2 * bf16.swa_bytes_per_token
-    assert fp32.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token
-    assert fp32.c4_state_bytes_per_slot == bf16.c4_state_bytes_per_slot
+    assert pool(fp32, "swa", "bytes_per_slot") == 2 * pool(bf16, "swa", "bytes_per_slot")
+    assert fp32.kv.kv_bytes_per_token == 2 * bf16.kv.kv_bytes_per_token
+    assert pool(fp32, "c4_state", "bytes_per_slot") == pool(bf16, "c4_state", "bytes_per_slot")
 
 
 def test_pro_figures() -> None:
     p = plan(load("pro"), num_devices=16, hbm_gib=64)
-    assert p.swa_bytes_per_token == 61 * 512 * 2
-    assert p.kv_bytes_per_token == 30 * 512 * 2 / 4 + 30 * 128 * 2 / 4 + 31 * 512 * 2 / 128 == 9848
-    assert (p.c4_state_slots, p.c128_state_slots) == (16384, 24576)
+    assert pool(p, "swa", "bytes_per_slot") == 61 * 512 * 2
+    assert p.kv.kv_bytes_per_token == 30 * 512 * 2 / 4 + 30 * 128 * 2 / 4 + 31 * 512 * 2 / 128 == 9848
+    assert (pool(p, "c4_state", "slots"), pool(p, "c128_state", "slots")) == (16384, 24576)
 
 
-def test_small_ratio_and_no_hca_layers(flash: ModelConfig) -> None:
+def test_small_ratio_and_no_hca_layers(flash: DeepseekV4Config) -> None:
     tiny = dataclasses.replace(flash, num_layers=4, compress_ratios=(0, 4, 8, 4), sliding_window=8)
     p = plan(tiny, page_size=16, max_running=3, hbm_gib=1, weight_format="bf16")
-    assert p.swa_slots_per_request == (math.ceil((8 - 1) / 16) + 1) * 16
-    assert p.c128_state_slots == npu_state_pool_size(8, 16, 3) == 2 * 3 * 16
-    assert token_unit(tiny.kv_layout, 16) == 16 * 8 and p.full_slots % 128 == 0
-    assert p.c128_bytes_per_token == 1 * 512 * 2 / 8
+    assert pool(p, "swa", "slots_per_request") == (math.ceil((8 - 1) / 16) + 1) * 16
+    assert pool(p, "c128_state", "slots") == npu_state_pool_size(8, 16, 3) == 2 * 3 * 16
+    assert token_unit(tiny.kv_layout, 16) == 16 * 8 and p.kv.full_slots % 128 == 0
+    assert buffer_per_token(p, "c128", "c128", 8) == 1 * 512 * 2 / 8
     no_hca = dataclasses.replace(flash, compress_ratios=(0, 4) * 21 + (0,))
     q = plan(no_hca, num_devices=8)
-    assert (q.hca_ratio, q.c128_slots, q.c128_state_slots, q.c128_bytes_per_token) == (0, 0, 0, 0)
-    assert q.c4_slots == q.full_slots // 4 > 0
+    assert no_hca.hca_ratio == 0 and "c128" not in q.to_dict()["pools"]
+    assert (pool(q, "c128", "slots"), pool(q, "c128_state", "slots")) == (0, 0)
+    assert pool(q, "c4", "slots") == q.kv.full_slots // 4 > 0
 
 
-def test_all_swa_model_is_capped_by_max_position_embeddings(flash: ModelConfig) -> None:
+def test_all_swa_model_is_capped_by_max_position_embeddings(flash: DeepseekV4Config) -> None:
     swa_only = dataclasses.replace(flash, compress_ratios=(0,) * 43, max_position_embeddings=4096)
     p = plan(swa_only, max_running=2, num_devices=8)
-    assert (p.kv_bytes_per_token, p.full_slots, p.c4_state_slots) == (0, 2 * 4096, 0)
+    assert (p.kv.kv_bytes_per_token, p.kv.full_slots, pool(p, "c4_state", "slots")) == (0, 2 * 4096, 0)
 
 
-def test_to_dict_is_json(flash: ModelConfig) -> None:
+def test_to_dict_is_json(flash: DeepseekV4Config) -> None:
     d = json.loads(json.dumps(plan(flash).to_dict()))
-    assert (d["c4_state_slots"], d["c128_state_slots"], d["c4_bytes_per_token"]) == (16384, 24576, 5376)
+    assert (d["pools"]["c4_state"]["slots"], d["pools"]["c128_state"]["slots"]) == (16384, 24576)
+    assert d["pools"]["c4"]["buffers"]["c4"] == {"layers": 21, "width": 512, "fp32": False}
+    assert d["kv_bytes_per_token"] == 6880 and d["model_type"] == "deepseek_v4"
     assert sum(d["weight_bytes_by_group"].values()) == d["weight_bytes"]
 
 
@@ -178,7 +210,7 @@ def test_to_dict_is_json(flash: ModelConfig) -> None:
         ({"weight_format": "gguf"}, "weight_format"),
     ],
 )
-def test_bad_inputs_name_the_key(flash: ModelConfig, kwargs: dict[str, object], key: str) -> None:
+def test_bad_inputs_name_the_key(flash: DeepseekV4Config, kwargs: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         plan(flash, **kwargs)  # type: ignore[arg-type]
 
@@ -193,12 +225,13 @@ def test_bad_inputs_name_the_key(flash: ModelConfig, kwargs: dict[str, object], 
 def test_plan_invariants(page_size: int, max_running: int, hbm_gib: float, num_devices: int) -> None:
     model = load("flash")
     p = plan(model, page_size=page_size, max_running=max_running, hbm_gib=hbm_gib, num_devices=num_devices)
-    unit = token_unit(model.kv_layout, page_size)
-    assert p.full_slots % unit == 0 and p.c4_slots % page_size == 0 and p.c128_slots % page_size == 0
-    assert p.swa_slots == max_running * swa_slots_per_request(model, page_size)
-    assert p.c4_state_slots == npu_state_pool_size(4, page_size, max_running)
-    assert p.c128_state_slots == npu_state_pool_size(128, page_size, max_running)
-    assert p.total_bytes <= p.budget_bytes or not p.fits
-    capped = p.full_slots + unit > max_running * model.max_position_embeddings
-    one_more_unit = p.fixed_bytes + p.kv_bytes + unit * 6880
-    assert capped or one_more_unit > p.budget_bytes  # no room was left unused
+    kv, unit = p.kv, token_unit(model.kv_layout, page_size)
+    assert kv.full_slots % unit == 0
+    assert pool(p, "c4", "slots") % page_size == 0 and pool(p, "c128", "slots") % page_size == 0
+    assert pool(p, "swa", "slots") == max_running * swa_slots_per_request(model, page_size)
+    assert pool(p, "c4_state", "slots") == npu_state_pool_size(4, page_size, max_running)
+    assert pool(p, "c128_state", "slots") == npu_state_pool_size(128, page_size, max_running)
+    assert kv.total_bytes <= kv.budget_bytes or not kv.fits
+    capped = kv.full_slots + unit > max_running * model.max_position_embeddings
+    one_more_unit = kv.fixed_bytes + kv.kv_bytes + unit * 6880
+    assert capped or one_more_unit > kv.budget_bytes  # no room was left unused

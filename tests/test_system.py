@@ -15,7 +15,7 @@ from event_helpers import events_of
 
 from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
 from dsv4serve.config import EngineConfig
-from dsv4serve.models.tiny import make_tiny
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
 from dsv4serve.protocol import DoneEvent, ErrorEvent, Event, RequestError, SamplingSpec, Submit, TokenEvent
 
 ENGINE = EngineConfig(

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsv4serve.config import ModelConfig
-from dsv4serve.models.tiny import make_tiny, tiny_config
-from dsv4serve.models.weights import expected_tensors, expert_slot
+from dsv4serve.models.deepseek_v4.tiny import make_tiny, tiny_config
+from dsv4serve.models.registry import config_from_dir
+from tests.checkpoints import expected_tensors, expert_slot
 
 # official name -> transformers name, mirroring transformers' conversion_mapping["deepseek_v4"]
 HF_RENAMES = [
@@ -73,7 +73,7 @@ def test_config_uses_official_keys_and_agrees_with_transformers_keys(tiny: Path)
     assert raw["compress_rates"] == {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}
     assert raw["rope_scaling"]["type"] == "yarn" and raw["rope_scaling"]["factor"] == 16
     assert (raw["bos_token_id"], raw["eos_token_id"], raw["num_nextn_predict_layers"]) == (0, 1, 0)
-    model = ModelConfig.from_dir(tiny)
+    model = config_from_dir(tiny)
     assert model.compress_ratios == (0, 4, 16, 4, 16) and model.hca_ratio == 16
     assert model.num_hash_layers == 2 and model.vocab_size == 129280
     assert model.rope_factor == 16 and model.original_max_position_embeddings == 256
@@ -97,7 +97,7 @@ def test_overrides_and_derived_layer_types() -> None:
 
 def test_writes_every_official_tensor_with_sensible_values(tiny: Path) -> None:
     tensors = read_all(tiny)
-    model = ModelConfig.from_dir(tiny)
+    model = config_from_dir(tiny)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == expected_tensors(model)
     assert (
         "layers.1.attn.indexer.compressor.ape" in tensors

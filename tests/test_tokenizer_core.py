@@ -455,7 +455,7 @@ def test_the_largest_allowed_request_costs_bounded_memory_and_loop_time() -> Non
 
 
 def test_weight_loading_progress_is_log_lines_without_a_terminal() -> None:
-    from dsv4serve.progress import shown
+    from dsv4serve.models.progress import shown
 
     saved, capture = structlog.get_config(), structlog.testing.LogCapture()
     structlog.configure(  # every level (an earlier test may have configured warnings only)

@@ -20,10 +20,11 @@ from golden_harness import reference_model
 from tiny_shapes import random_shape
 
 from dsv4serve import Engine, SamplingParams
-from dsv4serve.config import ModelConfig
-from dsv4serve.models.hf_names import official_weights
-from dsv4serve.models.loader import load_checkpoint
-from dsv4serve.models.tiny import copy_tokenizer, make_tiny
+from dsv4serve.models.deepseek_v4.names import official_weights
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
+from dsv4serve.models.registry import config_from_dir
+from dsv4serve.models.tiny import copy_tokenizer
+from tests.checkpoints import load_checkpoint
 
 SEEDS = (11, 12)  # random shapes
 FORMATS = {"original": True, "native": False}  # save_pretrained(save_original_format=...)
@@ -77,7 +78,7 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_saved_directory_loads_what_transformers_holds(saved: dict[str, Any], fmt: str) -> None:
     model_dir = saved["dirs"][fmt]
-    got = load_checkpoint(model_dir, ModelConfig.from_dir(model_dir), dtype=torch.float32)
+    got = load_checkpoint(model_dir, config_from_dir(model_dir), dtype=torch.float32)
     want: dict[str, torch.Tensor] = saved["state"]
     assert sorted(got) == sorted(want)
     for name, value in got.items():

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from golden_harness import compare, engine_traces, random_chunker
 
+from dsv4serve.backends.cuda import backend as triton_backend
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.executor.triton_backend import triton_backend
-from dsv4serve.models.tiny import make_tiny
+from dsv4serve.models.deepseek_v4.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def main() -> None:
     driver.set_active(_Sm90Driver())  # type: ignore[arg-type]
     JITFunction.run = _compile_only  # type: ignore[method-assign]
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from dsv4serve import triton_utils
+    from dsv4serve.backends.cuda import triton_utils
 
     triton_utils.pdl_enabled = lambda device: True  # type: ignore[assignment]  # as on the H200
     from tools.kernel_shapes import exercise_backend

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from dsv4serve import mhc
 from dsv4serve.attention.compressor import CompressorWeights
-from dsv4serve.executor.triton_backend import triton_backend
-from dsv4serve.moe.experts_triton import grouped_mm_experts
-from dsv4serve.quant import quantize_int8
-from tests.kernel_cases import kernel_model, make_case
+from dsv4serve.backends.cuda import backend as triton_backend
+from dsv4serve.backends.cuda.experts import grouped_mm_experts
+from dsv4serve.layers import mhc
+from dsv4serve.layers.linear import quantize_int8
+from tests.kernel_cases import kernel_model, make_case, pool_of
 
 FLASH = {
     "hidden_size": 4096,
@@ -58,49 +58,45 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
     ops = triton_backend()
     tdt = getattr(torch, dtype)
     T, H, D, hidden = case.batch.num_tokens, cfg.num_heads, cfg.head_dim, cfg.hidden_size
-    meta = ops.prepare(case.batch, case.tables, case.rope, cfg.sliding_window, case.sentinels())
+    dsv4 = ops.dsv4
+    meta = dsv4.prepare(case.batch, case.step_tables(), case.rope, cfg.sliding_window)
     x = torch.randn(T, hidden).to(tdt)
     ops.rms_norm(x, torch.ones(hidden, dtype=tdt), 1e-6)
     for q_lora in (768, None):  # GLM-4.7-Flash's fused split + q_a / kv_a norm
         q_norm = torch.ones(q_lora) if q_lora else None
-        ops.qkv_split_norm(
+        ops.mla.qkv_split_norm(
             torch.randn(T, (q_lora or 0) + 576).to(tdt), q_norm, torch.ones(512), q_lora, 512, 1e-6
         )
-    q = ops.q_norm_rope(torch.randn(T, H, D).to(tdt), meta, True, 1e-6)
-    ops.rope(q, meta, True, True)
+    q = dsv4.q_norm_rope(torch.randn(T, H, D).to(tdt), meta, True, 1e-6)
+    dsv4.rope(q, meta, True, True)
     layer4, layer128 = cfg.compress_ratios.index(4), cfg.compress_ratios.index(cfg.hca_ratio)
-    swa = case.pools.swa[layer4].view(-1, D)
-    ops.kv_norm_rope_store(torch.randn(T, D).to(tdt), torch.ones(D, dtype=tdt), swa, meta, True, 1e-6)
+    swa = case.buffer("swa", layer4)
+    dsv4.kv_norm_rope_store(torch.randn(T, D).to(tdt), torch.ones(D, dtype=tdt), swa, meta, True, 1e-6)
     for ratio, layer, d in ((4, layer4, D), (4, layer4, cfg.index_head_dim), (cfg.hca_ratio, layer128, D)):
         coff = 2 if ratio == 4 else 1
         w = CompressorWeights(
             torch.randn(2 * coff * d, hidden).to(tdt), torch.randn(ratio, coff * d), torch.ones(d, dtype=tdt)
         )
-        if ratio == 4 and d != D:
-            state, out = case.pools.c4_index_state[layer], case.pools.c4_index[layer]
-        elif ratio == 4:
-            state, out = case.pools.c4_state[layer], case.pools.c4[layer]
-        else:
-            state, out = case.pools.c128_state[layer], case.pools.c128[layer]
-        ops.compressor(x, w, state.view(-1, state.shape[-1]), out.view(-1, d), meta, ratio, 1e-6)
+        name = pool_of(ratio) + ("_index" if ratio == 4 and d != D else "")
+        dsv4.compressor(
+            x, w, case.buffer(f"{name}_state", layer), case.buffer(name, layer), meta, ratio, 1e-6
+        )
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-    keys = case.pools.c4_index[layer4].view(-1, Di)
-    idx = ops.indexer_topk(
+    keys = case.buffer("c4_index", layer4)
+    idx = dsv4.indexer_topk(
         torch.randn(T, Hi, Di).to(tdt), torch.randn(T, Hi), keys, meta, cfg.index_topk, 0.1
     )
     sinks = torch.randn(H)
-    ops.sparse_attention(q, swa, case.pools.c4[layer4].view(-1, D), idx, meta, sinks, 0.04, 4)
-    ops.sparse_attention(
-        q, swa, case.pools.c128[layer128].view(-1, D), None, meta, sinks, 0.04, cfg.hca_ratio
-    )
-    ops.sparse_attention(q, swa, None, None, meta, sinks, 0.04, 0)
+    dsv4.sparse_attention(q, swa, case.buffer("c4", layer4), idx, meta, sinks, 0.04, 4)
+    dsv4.sparse_attention(q, swa, case.buffer("c128", layer128), None, meta, sinks, 0.04, cfg.hca_ratio)
+    dsv4.sparse_attention(q, swa, None, None, meta, sinks, 0.04, 0)
     n = cfg.hc_mult
     hc = mhc.HyperConnection(torch.randn((2 + n) * n, n * hidden), torch.randn((2 + n) * n), torch.rand(3))
     h = torch.randn(T, n, hidden).to(tdt)
-    xn, post, comb = ops.hc_pre(h, hc, torch.ones(hidden, dtype=tdt), mhc.HcParams(n, 20, 1e-6, 1e-6))
-    ops.hc_post(xn, h, post, comb)
+    xn, post, comb = dsv4.hc_pre(h, hc, torch.ones(hidden, dtype=tdt), mhc.HcParams(n, 20, 1e-6, 1e-6))
+    dsv4.hc_post(xn, h, post, comb)
     head = mhc.HyperConnection(torch.randn(n, n * hidden), torch.randn(n), torch.rand(1))
-    ops.hc_head(h, head, torch.ones(hidden, dtype=tdt), mhc.HcParams(n, 20, 1e-6, 1e-6))
+    dsv4.hc_head(h, head, torch.ones(hidden, dtype=tdt), mhc.HcParams(n, 20, 1e-6, 1e-6))
     for n_out, k_in in (
         (cfg.q_lora_rank, hidden),
         (H * D // cfg.o_groups, cfg.o_lora_rank),

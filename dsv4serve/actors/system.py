@@ -32,8 +32,8 @@ from dsv4serve.actors.tokenizer import Client, Clients, run_tokenizer
 from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer, max_token_chars
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.layout import ServedModelConfig
 from dsv4serve.memory import KVAllocator, write_cache_locs_batch
+from dsv4serve.memory.layout import ServedModelConfig
 from dsv4serve.models.registry import config_from_dir, spec_for
 from dsv4serve.protocol import (
     AllocatorMsg,

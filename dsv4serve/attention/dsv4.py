@@ -1,113 +1,106 @@
-"""DeepSeek-V4 attention over paged pools: sliding window + compressed sparse (ratio 4, with the
-lightning indexer) + heavily compressed, one shared K=V head, per-head sinks.
+"""DeepSeek-V4's attention op families over the pools: reference implementations (the executable spec).
 
-This is the math of one layer's attention; every pool read and write goes through the backend's op
-families (`backend.py`), which address the pools through the slot tables. Each query attends over its
-last `W` raw positions (SWA pool) plus compressed entries: the indexer's top-k for ratio 4, every
-visible one for the heavily compressed ratio. Compressed entry j is visible to query t iff
-j < (t + 1) // r.
+Each op reads and writes the pools through the slot tables, as a fused kernel does; this version
+gathers through the step's `StepGeometry` and computes with the plain math of `core.py`. Fused
+backends (Triton, torch_npu) implement the same signatures and are tested against these.
+
+Masked keys are selected out, never multiplied by zero: a pool holding NaN in rows nobody wrote
+gives the same output.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.attention import core
+from dsv4serve.attention.compressor import CompressorWeights, compress_step
+from dsv4serve.attention.geometry import StepGeometry
+from dsv4serve.attention.rope import apply_rope
 from dsv4serve.attention.step import StepMeta
-from dsv4serve.config import ModelConfig
-from dsv4serve.quant import Weight
-
-if TYPE_CHECKING:
-    from dsv4serve.backend import Backend
 
 
-@dataclass(frozen=True)
-class IndexerWeights:
-    wq_b: Weight  # (Hi*Di, q_lora)
-    weights_proj: torch.Tensor  # (Hi, hidden)
-    compressor: CompressorWeights
+def _geometry(meta: StepMeta) -> StepGeometry:
+    assert meta.geometry is not None, "the reference ops need a step prepared with its geometry"
+    return meta.geometry
 
 
-@dataclass(frozen=True)
-class AttentionWeights:
-    wq_a: Weight
-    q_norm: torch.Tensor
-    wq_b: Weight
-    wkv: Weight
-    kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # (G*o_lora, H*D/G)
-    wo_b: Weight  # (hidden, G*o_lora)
-    sinks: torch.Tensor  # (H,) fp32
-    compressor: CompressorWeights | None
-    indexer: IndexerWeights | None
+def rope(x: torch.Tensor, meta: StepMeta, compress: bool, inverse: bool = False) -> torch.Tensor:
+    """Interleaved rope of each token's position on the trailing dims of x (T, ..., D)."""
+    cos, sin = meta.rope[compress]
+    return apply_rope(x, cos, -sin if inverse else sin)
 
 
-@dataclass(frozen=True)
-class AttentionCache:
-    """One layer's buffers, as flat views (one row per slot); the step geometry addresses them."""
-
-    swa: torch.Tensor  # (slots, D)
-    state: torch.Tensor | None  # (slots, 2*coff*D) fp32 compressor state
-    compressed: torch.Tensor | None  # (slots, D) compressed entries
-    index_state: torch.Tensor | None  # (slots, 2*2*Di) fp32 indexer compressor state (ratio 4)
-    index_keys: torch.Tensor | None  # (slots, Di) indexer keys, at the c4 slots
+def q_norm_rope(q: torch.Tensor, meta: StepMeta, compress: bool, eps: float) -> torch.Tensor:
+    """Per-head unweighted RMSNorm, then rope. q: (T, H, D)."""
+    return rope(core.unweighted_rms_norm(q, eps), meta, compress)
 
 
-def attention_forward(
+def kv_norm_rope_store(
+    kv: torch.Tensor, weight: torch.Tensor, swa: torch.Tensor, meta: StepMeta, compress: bool, eps: float
+) -> None:
+    """RMSNorm, rope, then write each token's K=V row into its SWA slot. kv: (T, D); swa: (slots, D)."""
+    normed = rope(core.rms_norm(kv, weight, eps), meta, compress)
+    swa.index_copy_(0, _geometry(meta).swa_write, normed.to(swa.dtype))
+
+
+def compressor(
     x: torch.Tensor,
-    w: AttentionWeights,
-    cache: AttentionCache,
+    w: CompressorWeights,
+    state: torch.Tensor,
+    out: torch.Tensor,
     meta: StepMeta,
-    cfg: ModelConfig,
     ratio: int,
-    ops: Backend,
+    eps: float,
+) -> None:
+    """Project, close this step's windows into `out` and persist the state rows later steps need."""
+    compress_step(x, w, state, out, _geometry(meta).compress[ratio], ratio, eps)
+
+
+def indexer_topk(
+    q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, meta: StepMeta, topk: int, scale: float
 ) -> torch.Tensor:
-    """x: (T, hidden), already normed -> (T, hidden)."""
-    T, H, D, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
-    compress = ratio > 0  # layers with a compressor use the compress rope throughout
-    q_lora = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)  # (T, q_lora)
-    q = ops.q_norm_rope(ops.linear(q_lora, w.wq_b).view(T, H, D), meta, compress, eps)  # (T, H, D)
-    ops.kv_norm_rope_store(ops.linear(x, w.wkv), w.kv_norm, cache.swa, meta, compress, eps)
-    chosen = None
-    if ratio:
-        assert w.compressor is not None and cache.state is not None and cache.compressed is not None
-        ops.compressor(x, w.compressor, cache.state, cache.compressed, meta, ratio, eps)
-        if ratio == 4:
-            assert w.indexer is not None and cache.index_state is not None and cache.index_keys is not None
-            ops.compressor(x, w.indexer.compressor, cache.index_state, cache.index_keys, meta, ratio, eps)
-            chosen = _indexer(x, q_lora, w.indexer, cache.index_keys, meta, cfg, ops)
-    out = ops.sparse_attention(q, cache.swa, cache.compressed, chosen, meta, w.sinks, D**-0.5, ratio)
-    return _grouped_output(out, w, cfg, ops)  # out: (T, H, D), its rope slice rotated back
+    """The lightning indexer's choice of ratio-4 entries per query.
+
+    q: (T, Hi, Di) roped index queries; head_w: (T, Hi) fp32; keys: (slots, Di) the index-key pool.
+    Returns (T, min(topk, J)) int32 compressed indices of the `topk` highest scores (exact ties to the
+    lowest index), in index order, -1 (last) where fewer entries are visible.
+    """
+    cg = _geometry(meta).compress[4]
+    scores = core.indexer_scores(q, keys[cg.entry_slots], head_w, scale)  # (T, J)
+    scores = scores.masked_fill(~cg.entry_visible, float("-inf"))
+    chosen = core.topk_lowest_ties(scores, min(topk, scores.shape[1]))  # (T, K)
+    return core.in_index_order(chosen, cg.entry_visible.gather(1, chosen))
 
 
-def _indexer(
-    x: torch.Tensor,
-    q_lora: torch.Tensor,
-    w: IndexerWeights,
-    index_keys: torch.Tensor,
+def sparse_attention(
+    q: torch.Tensor,
+    swa: torch.Tensor,
+    compressed: torch.Tensor | None,
+    indices: torch.Tensor | None,
     meta: StepMeta,
-    cfg: ModelConfig,
-    ops: Backend,
-) -> torch.Tensor | None:
-    """The lightning indexer's top `index_topk` visible ratio-4 entries per query: (T, K) int32, -1 = none;
-    None when no query of the step can see more than `index_topk` entries (then it chooses them all)."""
-    if meta.num_entries[4] <= cfg.index_topk:
-        return None
-    T, Hi, Di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
-    qi = ops.rope(ops.linear(q_lora, w.wq_b).view(T, Hi, Di), meta, True, False)  # (T, Hi, Di)
-    head_w = ops.linear(x, w.weights_proj).float() * Hi**-0.5  # (T, Hi)
-    return ops.indexer_topk(qi, head_w, index_keys, meta, cfg.index_topk, Di**-0.5)
+    sinks: torch.Tensor,
+    scale: float,
+    ratio: int,
+) -> torch.Tensor:
+    """Shared-K=V attention of each query over its sliding window plus compressed entries, with sinks.
 
-
-def _grouped_output(out: torch.Tensor, w: AttentionWeights, cfg: ModelConfig, ops: Backend) -> torch.Tensor:
-    T, G, R = out.shape[0], cfg.o_groups, cfg.o_lora_rank
-    grouped = out.reshape(T, G, -1).transpose(0, 1)  # (G, T, H*D/G), a view
-    wo_a = w.wo_a.view(G, R, -1).transpose(1, 2)  # (G, H*D/G, o_lora)
-    # mixed[t, g] = wo_a[g] @ grouped[t, g] (einsum "tgi,goi->tgo"), the bmm writing straight into
-    # (T, G, o_lora) order: torch copies back itself where a device's bmm takes no strided output
-    mixed = torch.empty(T, G * R, dtype=out.dtype, device=out.device)
-    torch.bmm(grouped, wo_a, out=mixed.view(T, G, R).transpose(0, 1))
-    return ops.linear(mixed, w.wo_b)
+    q: (T, H, D) roped; swa / compressed: (slots, D) pools; indices: (T, K) int32 distinct visible
+    entries chosen by the indexer, packed before the padding (-1 = none), or None to take every
+    visible entry (heavily compressed layers, or no compressor when ratio is 0). Returns (T, H, D)
+    with the rope slice rotated back by -position (K=V carried the keys' rope into the values).
+    """
+    geo = _geometry(meta)
+    keys, visible = swa[geo.window_slots], geo.window_visible  # (T, W, D), (T, W)
+    if ratio:
+        assert compressed is not None
+        cg = geo.compress[ratio]
+        if indices is None:
+            slots, chosen = cg.entry_slots, cg.entry_visible
+        else:
+            idx = indices.long()
+            slots, chosen = cg.entry_slots.gather(1, idx.clamp(min=0)), idx >= 0
+        keys = torch.cat([keys, compressed[slots].to(keys.dtype)], dim=1)
+        visible = torch.cat([visible, chosen], dim=1)
+    keys = keys.masked_fill(~visible[..., None], 0)  # select: unwritten rows never reach the output
+    out = core.sink_attention(q, keys.to(q.dtype), visible, sinks, scale)
+    return rope(out, meta, ratio > 0, inverse=True)

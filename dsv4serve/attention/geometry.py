@@ -9,16 +9,23 @@ the slot tables: no host syncs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
-from dsv4serve.memory.paged import keep_start
+from dsv4serve.memory.paged import coff, keep_start
 
-if TYPE_CHECKING:
-    from dsv4serve.memory.tables import SlotTables
+
+@dataclass(frozen=True)
+class StepTables:
+    """The slot tables (request row x logical index -> slot) a DeepSeek-V4 step reads, by role; the
+    model resolves them once from its layout."""
+
+    window: torch.Tensor  # (rows, L) raw position -> sliding-window K=V slot
+    entries: dict[int, torch.Tensor]  # ratio -> (rows, L // r + 1) compressed index -> entry slot
+    states: dict[int, torch.Tensor]  # ratio -> (rows, L) raw position -> compressor-state slot
+    state_sentinels: dict[int, int]  # ratio -> the state pool's padding slot (padding writes land there)
 
 
 @dataclass(frozen=True)
@@ -47,33 +54,31 @@ class StepGeometry:
     compress: dict[int, CompressGeometry]  # ratio -> its geometry
 
 
-def step_geometry(
-    batch: ForwardBatch, tables: SlotTables, rope: RopeTables, window: int, sentinels: dict[int, int]
-) -> StepGeometry:
-    """`sentinels`: ratio -> the state pool's sentinel slot (padding writes land there)."""
+def step_geometry(batch: ForwardBatch, tables: StepTables, rope: RopeTables, window: int) -> StepGeometry:
     rows = batch.rows[batch.token_req]  # (T,)
     pos = batch.positions[:, None] - torch.arange(window - 1, -1, -1, device=rows.device)  # (T, W)
     return StepGeometry(
-        swa_write=tables.swa[rows, batch.positions].long(),
-        window_slots=tables.swa[rows[:, None], pos.clamp(min=0)].long(),
+        swa_write=tables.window[rows, batch.positions].long(),
+        window_slots=tables.window[rows[:, None], pos.clamp(min=0)].long(),
         window_visible=pos >= 0,
         rope={c: rope.lookup(batch.positions, compress=c) for c in (False, True)},
-        compress={r: _compress(batch, tables, rope, r, s, rows) for r, s in sentinels.items()},
+        compress={r: _compress(batch, tables, rope, r, rows) for r in tables.entries},
     )
 
 
 def _compress(
-    batch: ForwardBatch, tables: SlotTables, rope: RopeTables, ratio: int, sentinel: int, rows: torch.Tensor
+    batch: ForwardBatch, tables: StepTables, rope: RopeTables, ratio: int, rows: torch.Tensor
 ) -> CompressGeometry:
-    coff = 2 if ratio == 4 else 1
-    pool = "c4" if ratio == 4 else "c128"
-    state, out = tables.table(f"{pool}_state"), tables.table(pool)
+    state, out, sentinel = tables.states[ratio], tables.entries[ratio], tables.state_sentinels[ratio]
     start = torch.maximum(batch.prefix_lens, keep_start(ratio, batch.seq_lens))[batch.token_req]
     kept = batch.positions >= start
     windows = batch.windows[ratio]
     k = windows.index.clamp(min=0)  # (NW,) padding entries (-1) compute window 0, written to slot 0
     b = windows.req
-    pos = ((k - (coff - 1)) * ratio)[:, None] + torch.arange(coff * ratio, device=k.device)  # (NW, coff*r)
+    rows_per_token = coff(ratio)
+    pos = ((k - (rows_per_token - 1)) * ratio)[:, None] + torch.arange(
+        rows_per_token * ratio, device=k.device
+    )
     prefix = batch.prefix_lens[b][:, None]
     last = max(batch.num_tokens - 1, 0)
     cos, sin = rope.lookup(k * ratio, compress=True)

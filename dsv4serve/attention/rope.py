@@ -9,10 +9,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from dsv4serve.config import ModelConfig
+
+class RopeConfig(Protocol):
+    """The rope fields of a DeepSeek-V4 config."""
+
+    @property
+    def rope_head_dim(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def compress_rope_theta(self) -> float: ...
+    @property
+    def rope_factor(self) -> float: ...
+    @property
+    def original_max_position_embeddings(self) -> int: ...
+    @property
+    def beta_fast(self) -> float: ...
+    @property
+    def beta_slow(self) -> float: ...
 
 
 def default_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
@@ -49,7 +67,7 @@ class RopeTables:
     comp_sin: torch.Tensor
 
     @classmethod
-    def build(cls, cfg: ModelConfig, max_len: int, device: torch.device | str) -> RopeTables:
+    def build(cls, cfg: RopeConfig, max_len: int, device: torch.device | str) -> RopeTables:
         main = default_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
         if cfg.rope_factor != 1.0:
             comp = yarn_inv_freq(

@@ -10,17 +10,15 @@ the gathered `StepGeometry` (its executable spec reads keys through it). No host
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4serve.attention.geometry import StepGeometry, step_geometry
+from dsv4serve.attention.geometry import StepGeometry, StepTables, step_geometry
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.memory.paged import keep_start
 
-if TYPE_CHECKING:
-    from dsv4serve.memory.tables import SlotTables
+__all__ = ["StepMeta", "StepTables", "WindowRefs", "prepare_step"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ class WindowRefs:
 
 @dataclass(frozen=True)
 class StepMeta:
-    tables: SlotTables
+    tables: StepTables
     token_row: torch.Tensor  # (T,) table row of each token's request
     positions: torch.Tensor  # (T,) absolute position of each token
     rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # compress? -> cos, sin (T, rd/2)
@@ -49,14 +47,9 @@ class StepMeta:
 
 
 def prepare_step(
-    batch: ForwardBatch,
-    tables: SlotTables,
-    rope: RopeTables,
-    sliding_window: int,
-    sentinels: dict[int, int],
-    with_geometry: bool,
+    batch: ForwardBatch, tables: StepTables, rope: RopeTables, sliding_window: int, with_geometry: bool
 ) -> StepMeta:
-    """`sentinels`: ratio -> the state pool's sentinel slot (only the reference's padding writes use it)."""
+    """The step's metadata; `with_geometry`: also the reference's gathers (fused kernels need none)."""
     req = batch.token_req
     windows, keep_from = {}, {}
     for r, win in batch.windows.items():
@@ -73,7 +66,7 @@ def prepare_step(
         keep_from[r] = torch.maximum(batch.prefix_lens, keep_start(r, batch.seq_lens))[req]
     geometry = None
     if with_geometry:
-        geometry = step_geometry(batch, tables, rope, sliding_window, sentinels)
+        geometry = step_geometry(batch, tables, rope, sliding_window)
     return StepMeta(
         tables=tables,
         token_row=batch.rows[req],

@@ -1,22 +1,18 @@
 """Chat formats: a model's prompt template and the parser of its output, behind one seam.
 
 A `ChatTemplate` turns a `ChatPrompt` (messages, tools, thinking) into prompt text and gives the
-incremental parser that splits the model's output into reasoning, content and tool-call deltas.
-`template_for(model_type, model_dir)` picks one by the checkpoint's `model_type`: DeepSeek-V4's is
-written in Python (`dsv4.py`, its output `dsml.py`); GLM-4.7's renders the checkpoint's own Jinja
-template (`glm.py`, its output `glm_parser.py`).
+incremental parser that splits the model's output into reasoning, content and tool-call deltas. Each
+model family ships its own (`ModelSpec.chat_template`): DeepSeek-V4's is written in Python
+(models/deepseek_v4/chat.py, its output dsml.py); GLM-4.7's renders the checkpoint's own Jinja template
+(models/glm4_moe_lite/chat.py, its output parser.py). This package holds what they share: the
+messages (`messages.py`) and the deltas and their tag scanner (`deltas.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-from dsv4serve.chat import dsv4
-from dsv4serve.chat.dsml import Delta, DSMLParser
-from dsv4serve.chat.glm import GlmTemplate
+from dsv4serve.chat.deltas import Delta
 from dsv4serve.chat.messages import ChatError, ChatPrompt, RenderedPrompt
 
 
@@ -34,31 +30,17 @@ class ChatTemplate(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class DeepSeekV4Template:
+class NoTemplate:
+    """A family without a chat format: chat requests are refused with a clear error."""
+
+    def __init__(self, model_type: str) -> None:
+        self.model_type = model_type
+
     def render(self, prompt: ChatPrompt) -> RenderedPrompt:
-        return dsv4.render(prompt)
+        raise ChatError(f"{self.model_type} has no chat template: send raw prompts to /v1/completions")
 
     def parser(self, rendered: RenderedPrompt) -> tuple[OutputParser, list[Delta]]:
-        parser = DSMLParser(thinking=rendered.thinking)
-        return parser, parser.feed(rendered.prefill)
+        raise ChatError(f"{self.model_type} has no chat template")
 
 
-def _deepseek_v4(model_dir: Path) -> ChatTemplate:
-    return DeepSeekV4Template()  # the format is fixed; the checkpoint ships no template
-
-
-# model_type -> the template of a checkpoint directory
-TEMPLATES: dict[str, Callable[[Path], ChatTemplate]] = {
-    "deepseek_v4": _deepseek_v4,
-    "glm4_moe_lite": GlmTemplate.from_dir,
-}
-
-
-def template_for(model_type: str, model_dir: Path) -> ChatTemplate:
-    if model_type not in TEMPLATES:
-        raise ChatError(f"no chat template for model_type {model_type!r}")
-    return TEMPLATES[model_type](Path(model_dir))
-
-
-__all__ = ["ChatError", "ChatPrompt", "ChatTemplate", "OutputParser", "RenderedPrompt", "template_for"]
+__all__ = ["ChatError", "ChatPrompt", "ChatTemplate", "Delta", "NoTemplate", "OutputParser", "RenderedPrompt"]

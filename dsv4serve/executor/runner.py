@@ -10,23 +10,27 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dsv4serve.attention.metadata import BatchItem, ForwardBatch, build_forward_batch
-from dsv4serve.backend import Backend
-from dsv4serve.config import EngineConfig
-from dsv4serve.devices import HOST_BUFFERS, check_device, copy_into
-from dsv4serve.executor.backends import select_backend
+from dsv4serve.attention.metadata import ForwardBatch
+from dsv4serve.backends import Backend, HostCopy, Transfers, select
+from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.executor.graphs import DecodeGraphs, GraphKey
+from dsv4serve.executor.inputs import SamplingFlags, host_words
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
-from dsv4serve.layout import ServedModelConfig
+from dsv4serve.layers.linear import Weight, quantize_weights_int8
+from dsv4serve.memory.buffers import LayoutBuffers
+from dsv4serve.memory.layout import ServedModelConfig
 from dsv4serve.memory.paged import PoolSizes
-from dsv4serve.memory.sizing_layout import engine_pool_sizes
+from dsv4serve.memory.sizing import engine_pool_sizes
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
+from dsv4serve.models.loader import load_weights, loaded_schema
+from dsv4serve.models.progress import shown
 from dsv4serve.models.registry import config_from_dir, spec_for
+from dsv4serve.models.spec import ModelContext, ModelSpec
 from dsv4serve.protocol import CacheLocs, SampledToken, StepItem, StepPlan, TopLogprob
-from dsv4serve.quant import Weight, quantize_weights_int8
 
 
 @dataclass(frozen=True)
@@ -38,37 +42,29 @@ class StepResult:
 @dataclass(frozen=True)
 class PendingStep:
     """A step queued on the device. `wait()` blocks until its ids are on the host (the GIL is
-    released meanwhile) and returns the step's result (later calls return the same result: the pinned
-    buffer and its event went back to `HOST_BUFFERS` for a later step after the first)."""
+    released meanwhile) and returns the step's result (later calls return the same result: the host
+    buffer of the copy may serve a later step after the first)."""
 
     sampled: tuple[StepItem, ...]
-    host: torch.Tensor  # (2 + 2k, S) float64 ids, logprobs, k top ids, k top logprobs (async copy)
-    done: torch.cuda.Event | None  # recorded after that copy (None on the CPU: already there)
+    copy: HostCopy  # of the (2 + 2k, S) float64 outputs: ids, logprobs, k top ids, k top logprobs
     logits: torch.Tensor | None
     result: list[StepResult] = dataclasses.field(default_factory=list)  # filled by the first wait()
 
     @classmethod
-    def of(cls, sampled: Sequence[StepItem], out: torch.Tensor, logits: torch.Tensor | None) -> PendingStep:
-        if out.device.type != "cuda":
-            return cls(tuple(sampled), out.cpu(), None, logits)
-        host, done = HOST_BUFFERS.take(tuple(out.shape), out.dtype)
-        copy_into(host, out, non_blocking=True)
-        done.record(torch.cuda.current_stream(out.device))
-        return cls(tuple(sampled), host, done, logits)
+    def of(
+        cls, sampled: Sequence[StepItem], out: torch.Tensor, logits: torch.Tensor | None, transfers: Transfers
+    ) -> PendingStep:
+        return cls(tuple(sampled), transfers.download(out), logits)
 
     def ready(self) -> bool:
         """Whether `wait()` would return at once (the step's outputs are on the host)."""
-        return bool(self.result) or self.done is None or self.done.query()
+        return bool(self.result) or self.copy.ready()
 
     def wait(self) -> StepResult:
         if self.result:  # a second call: the buffer may already serve a later step
             return self.result[0]
-        if self.done is not None:
-            self.done.synchronize()
-        k = (self.host.shape[0] - 2) // 2
-        columns = self.host.T.tolist()  # (S, 2 + 2k): one sampled request's outputs per row
-        if self.done is not None:
-            HOST_BUFFERS.give(self.host, self.done)
+        rows, columns = self.copy.read(lambda host: (host.shape[0], host.T.tolist()))  # (S, 2 + 2k)
+        k = (rows - 2) // 2
         outputs = tuple(_sampled(i, c, k) for i, c in zip(self.sampled, columns, strict=True))
         self.result.append(StepResult(outputs, self.logits))
         return self.result[0]
@@ -101,10 +97,18 @@ class ModelRunner:
     ) -> None:
         """Load a checkpoint; `ops` overrides the device's backend (tests run Triton's on CPU tensors)."""
         cfg = config_from_dir(model_dir)
-        check_device(engine.device)
+        ops = ops or select(engine.device)  # a device this machine lacks fails before any weight loads
         dtype = getattr(torch, engine.torch_dtype_name)
         spec = spec_for(cfg.model_type)
-        weights = spec.load(Path(model_dir), cfg, dtype, engine.device, engine.fp4_experts)
+        weights = load_weights(
+            model_dir,
+            spec,
+            cfg,
+            dtype=dtype,
+            device=engine.device,
+            fp4_experts=engine.fp4_experts,
+            progress=shown,
+        )
         self._build(cfg, weights, engine, sizes, ops)
 
     @classmethod
@@ -116,7 +120,7 @@ class ModelRunner:
         sizes: PoolSizes | None = None,
         ops: Backend | None = None,
     ) -> ModelRunner:
-        """A runner over weights already on the device, by official name (benchmarks build random ones)."""
+        """A runner over weights already on the device, by schema name (benchmarks build random ones)."""
         runner = cls.__new__(cls)
         runner._build(cfg, weights, engine, sizes, ops)
         return runner
@@ -131,24 +135,25 @@ class ModelRunner:
     ) -> None:
         self.engine, self.model_cfg = engine, cfg
         self.device = torch.device(engine.device)
-        self.ops: Backend = ops or select_backend(engine.device)
+        self.ops: Backend = ops or select(engine.device)
         self.sizes = sizes or engine_pool_sizes(cfg, engine)
         spec = spec_for(cfg.model_type)
-        self.pools = spec.make_pools(cfg, self.sizes, engine)
-        self.tables = SlotTables(cfg, engine, self.device)
+        self.cache = LayoutBuffers(cfg.kv_layout, self.sizes, engine)
+        self.tables = SlotTables(cfg, engine, self.device, self.ops.transfers.upload)
+        self.tables.point_pad_row_at(self.cache.state_sentinel)
         if engine.weight_quant == "int8":
-            weights = quantize_weights_int8(weights)
-        self.model = spec.build(cfg, weights, engine, self.ops)
+            weights = quantize_weights_int8(weights, _int8_names(spec, cfg))
+        self.model = spec.build(cfg, weights, ModelContext(engine, self.ops, self.cache, self.tables))
         compressed = [p.ratio for p in cfg.kv_layout.pools if p.index == "compressed"]
         self.ratios = tuple(sorted(compressed))
-        self.tables.point_pad_row_at(self.pools.state_sentinel)
         self.last_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphs | None = None
         self._last_key: tuple[StepPlan | None, GraphKey | None] = (None, None)
-        if engine.graphs and self.device.type == "cuda" and spec.cuda_graphs:
+        if engine.graphs and self.ops.graphs is not None and self.ops.graphs.supports(self.device):
             max_len = engine.resolved_max_model_len(cfg)
             self.graphs = DecodeGraphs(
                 self._forward_sample,
+                self.ops,
                 self.ratios,
                 engine.max_num_seqs,
                 max_len,
@@ -161,7 +166,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole decode step on the device (what a graph captures): (2 + 2k, S) outputs, logits."""
         batch = self._lookahead_inputs(batch)
-        logits = self.model.forward(batch, self.pools, self.tables)
+        logits = self.model.forward(batch)
         return self._sample(batch, logits, params), logits
 
     def _lookahead_inputs(self, batch: ForwardBatch) -> ForwardBatch:
@@ -217,25 +222,29 @@ class ModelRunner:
             seeds = [request_seed(i.rid, i.sampling.seed, self.engine.seed) for i in plan.items]
             out, logits = self.graphs.launch(key, plan.items, seeds)
             kept = logits[: len(plan.items)].clone() if keep_logits else None
-            return PendingStep.of(plan.items, out[:, : len(plan.items)], kept)
-        items = [BatchItem(i.row, i.prefix_len, i.token_ids, i.sample) for i in plan.items]
-        batch = build_forward_batch(items, self.ratios, self.device)
+            return PendingStep.of(plan.items, out[:, : len(plan.items)], kept, self.ops.transfers)
+        sampled = tuple(i for i in plan.items if i.sample)
+        seeds = [request_seed(i.rid, i.sampling.seed, self.engine.seed) for i in sampled]
+        layout, words = host_words(plan.items, seeds, self.ratios)
+        max_len = max((i.seq_len for i in plan.items), default=0)
+        words = self.ops.transfers.upload(words, self.device)  # one copy: the batch and the sampled rows
+        batch, params = layout.views(words, max_len, SamplingFlags.of(plan.items))
         if any(i.is_lookahead for i in plan.items):
             batch = self._lookahead_inputs(batch)
-        logits = self.model.forward(batch, self.pools, self.tables, all_logits=all_logits)
+        logits = self.model.forward(batch, all_logits=all_logits)
         kept = logits if keep_logits else None
-        sampled = tuple(i for i in plan.items if i.sample)
+        transfers = self.ops.transfers
         if not sampled:
-            return PendingStep.of((), torch.zeros(2, 0, dtype=torch.float64, device=self.device), kept)
+            return PendingStep.of(
+                (), torch.zeros(2, 0, dtype=torch.float64, device=self.device), kept, transfers
+            )
         rows = logits if not all_logits else logits[batch.sample_index]
-        params = SamplingBatch.build(
-            [i.sampling.temperature for i in sampled],
-            [i.sampling.top_p for i in sampled],
-            [i.sampling.top_k for i in sampled],
-            [request_seed(i.rid, i.sampling.seed, self.engine.seed) for i in sampled],
-            [i.seq_len for i in sampled],
-            self.device,
-            want_logprobs=any(i.sampling.logprobs for i in sampled),
-            num_top=max(i.sampling.top_logprobs for i in sampled),
-        )
-        return PendingStep.of(sampled, self._sample(batch, rows, params), kept)
+        return PendingStep.of(sampled, self._sample(batch, rows, params), kept, transfers)
+
+
+def _int8_names(spec: ModelSpec[Any], cfg: ServedModelConfig) -> set[str]:
+    """The loaded weights `weight_quant="int8"` quantizes: the projections the schema marks int8."""
+    names = {n for n, t in loaded_schema(spec.schema(cfg), spec.names(cfg)).items() if t.int8}
+    if not names:
+        raise ConfigError(f"weight_quant: int8 is not supported for {cfg.model_type} (no W8A8 projections)")
+    return names

@@ -8,14 +8,11 @@ draws exactly from p, with fixed shapes and no host syncs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dsv4serve.devices import to_device
-
-_MASK32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF
 TOP_K_OFF = 2**31 - 1  # any larger top_k keeps the whole vocabulary too (and must not wrap to 32 bits)
 
 
@@ -38,50 +35,11 @@ class SamplingBatch:
     want_logprobs: bool = True  # host-known: some row asked for logprobs (else skip the logsumexp)
     num_top: int = 0  # host-known: top logprobs per row to report (0: no sort of the vocabulary)
 
-    @staticmethod
-    def flags(
-        temperature: Sequence[float], top_p: Sequence[float], top_k: Sequence[int]
-    ) -> tuple[bool, bool]:
-        """(all_greedy, needs_filter): the host-known shape of the sampling work."""
-        all_greedy = all(t == 0 for t in temperature)
-        return all_greedy, not all_greedy and (any(k > 0 for k in top_k) or any(p < 1 for p in top_p))
-
-    @classmethod
-    def build(
-        cls,
-        temperature: Sequence[float],
-        top_p: Sequence[float],
-        top_k: Sequence[int],
-        seed: Sequence[int],
-        position: Sequence[int],
-        device: torch.device | str,
-        want_logprobs: bool = True,
-        num_top: int = 0,
-    ) -> SamplingBatch:
-        def f(v: Sequence[float]) -> torch.Tensor:
-            return to_device(torch.tensor(v, dtype=torch.float32), device)
-
-        def i(v: Sequence[int]) -> torch.Tensor:
-            return to_device(torch.tensor([x & _MASK32 for x in v], dtype=torch.int64), device)
-
-        all_greedy, needs_filter = cls.flags(temperature, top_p, top_k)
-        return cls(
-            f(temperature),
-            f(top_p),
-            i([top_k_of(k) for k in top_k]),
-            i(seed),
-            i(position),
-            all_greedy,
-            needs_filter,
-            want_logprobs,
-            num_top,
-        )
-
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer mix on int64 tensors (all products stay below 2**63)."""
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK32
     return x ^ (x >> 16)
 
 

@@ -17,8 +17,8 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
-from dsv4serve.chat import template_for
 from dsv4serve.http.app import MAX_BODY_BYTES, AppOptions, OpenAIApp
+from dsv4serve.models.registry import spec_for
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ async def serve_http(
             max_model_len=options.engine.resolved_max_model_len(handle.model),
             max_body_bytes=http.max_body_bytes,
         )
-        template = template_for(handle.model.model_type, options.model_dir)
+        template = spec_for(handle.model.model_type).chat_template(options.model_dir)
         app = OpenAIApp(handle, template, app_options)
         config = Config()
         config.bind = [f"{http.host}:{http.port}"]

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from dsv4serve.actors.tokenizer_core import SupportsDecode
 from dsv4serve.chat import ChatTemplate, OutputParser
-from dsv4serve.chat.dsml import Content, Delta, Reasoning, ToolArguments, ToolCallStart, collect
+from dsv4serve.chat.deltas import Content, Delta, Reasoning, ToolArguments, ToolCallStart, collect
 from dsv4serve.chat.messages import RenderedPrompt
 from dsv4serve.http import schema as s
 from dsv4serve.protocol import DoneEvent, TokenEvent

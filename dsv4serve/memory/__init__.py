@@ -1,5 +1,6 @@
 """KV memory of any layout (`layout.py`): pool sizes, the allocator (one slot message per request and
-step), per-request slot tables, buffers, sizing; plus DSV4's own buffers (`KVPools`) and plan.
+step), per-request slot tables, buffers, sizing. Nothing here names a pool: every pool comes from the
+model's layout.
 
 Names load lazily so that `plan` (sizing only) does not import torch.
 """
@@ -11,20 +12,20 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dsv4serve.memory.allocator import KVAllocator, PoolUsage, Refusal, ring_slots
+    from dsv4serve.memory.buffers import LayoutBuffers
     from dsv4serve.memory.paged import PagePool, PageRun, PoolSizes, keep_start, state_sentinels
-    from dsv4serve.memory.pools import KVPools, flat
     from dsv4serve.memory.tables import SlotTables, block_table, write_cache_locs, write_cache_locs_batch
 
 _HOMES = {
     "allocator": ("KVAllocator", "PoolUsage", "Refusal", "ring_slots"),
     "paged": ("PagePool", "PageRun", "PoolSizes", "keep_start", "state_sentinels"),
-    "pools": ("KVPools", "flat"),
+    "buffers": ("LayoutBuffers",),
     "tables": ("SlotTables", "block_table", "write_cache_locs", "write_cache_locs_batch"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = [
     "KVAllocator",
-    "KVPools",
+    "LayoutBuffers",
     "PagePool",
     "PageRun",
     "PoolSizes",
@@ -32,7 +33,6 @@ __all__ = [
     "Refusal",
     "SlotTables",
     "block_table",
-    "flat",
     "keep_start",
     "ring_slots",
     "state_sentinels",

@@ -9,10 +9,10 @@ import heapq
 from array import array
 from dataclasses import dataclass
 
-from dsv4serve.config import EngineConfig, ring_size
-from dsv4serve.layout import ServedModelConfig
-from dsv4serve.memory.paged import PagePool, PageRun, PoolSizes, keep_start
-from dsv4serve.memory.sizing_layout import engine_pool_sizes
+from dsv4serve.config import EngineConfig
+from dsv4serve.memory.layout import ServedModelConfig
+from dsv4serve.memory.paged import PagePool, PageRun, PoolSizes, keep_start, ring_size
+from dsv4serve.memory.sizing import engine_pool_sizes
 from dsv4serve.protocol import SLOT_DTYPE, CacheLocs
 
 

@@ -1,10 +1,12 @@
 """Device buffers of any KV layout (`layout.py`), in Ascend PA_ND layout [pages + 1, P, 1, width].
 
 One buffer per (buffer spec, layer); page 0 of every pool is the skip sentinel. A slot id addresses
-the same row in every layer's buffer of its pool. No value in a buffer is relied on (state pools
-included: rows nobody wrote are selected out, tests/test_pool_poison.py); `state_sentinel` gives each
-state pool's padding slot. DSV4 keeps its own `KVPools`: the same shapes, under attribute names its
-attention and kernel tests read.
+the same row in every layer's buffer of its pool (`flat(name)` views each as [slots, width]).
+
+Buffers are allocated with `torch.empty`: no value in them is relied on. Reads of rows nobody wrote
+(padded window lists, masked top-k picks, sentinel slots, stale table entries, state rows) are
+selected out in every backend, never multiplied by zero, so a pool full of NaN or +-inf serves the
+same tokens (tests/test_pool_poison.py). `state_sentinel` gives each state pool's padding slot.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsv4serve.config import EngineConfig
-from dsv4serve.layout import KVLayout
+from dsv4serve.memory.layout import KVLayout
 from dsv4serve.memory.paged import PoolSizes, state_sentinels
 
 
@@ -28,7 +30,7 @@ class LayoutBuffers:
             for b in pool.buffers:
                 kind = torch.float32 if b.fp32 else dtype
                 self.buffers[b.name] = {
-                    layer: torch.zeros(pages + 1, size, 1, b.width, dtype=kind, device=dev)
+                    layer: torch.empty(pages + 1, size, 1, b.width, dtype=kind, device=dev)
                     for layer in b.layers
                 }
         self.state_sentinel = state_sentinels(layout, sizes, engine)

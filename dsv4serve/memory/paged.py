@@ -7,18 +7,35 @@ which maps to one physical page, so slot(i) = phys[i // P] * P + i % P and slot 
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import deque
 from typing import TYPE_CHECKING, TypeVar
 
-from dsv4serve.config import EngineConfig, ring_size
-from dsv4serve.layout import KVLayout
+from dsv4serve.config import EngineConfig
+from dsv4serve.memory.layout import KVLayout
 from dsv4serve.protocol import SLOT_DTYPE
 
 if TYPE_CHECKING:
     import torch
 
 N = TypeVar("N", int, "torch.Tensor")
+
+
+def coff(ratio: int) -> int:
+    """A compressor's rows per token: 2 for the overlapping ratio-4 windows, else 1."""
+    return 2 if ratio == 4 else 1
+
+
+def ring_size(ratio: int) -> int:
+    """Rows of a request-scoped compressor-state ring: coff * ratio."""
+    return coff(ratio) * ratio
+
+
+def npu_state_pool_size(ratio: int, page_size: int, max_running: int) -> int:
+    """Paged compressor-state pool size in tokens (slots), as Ascend's cache_mode=1 sizes it."""
+    pages_per_req = max(2, math.ceil(1.8 * ratio / page_size) + 1)
+    return pages_per_req * max_running * page_size
 
 
 def keep_start(ratio: int, n: N) -> N:

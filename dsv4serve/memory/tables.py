@@ -9,29 +9,35 @@ gives the PA_ND page ids.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from dsv4serve.config import EngineConfig
-from dsv4serve.devices import to_device
-from dsv4serve.layout import PoolSpec, ServedModelConfig
+from dsv4serve.memory.layout import PoolSpec, ServedModelConfig
 from dsv4serve.protocol import CacheLocs
+
+Upload = Callable[[torch.Tensor, torch.device], torch.Tensor]  # a host tensor's copy on the device
 
 
 class SlotTables:
     """One table per pool of the model's KV layout: rows = max_num_seqs + 1, L = the resolved max
     model length; raw and state pools [rows, L] indexed by raw position, a compressed pool of ratio r
-    [rows, L // r + 1] indexed by compressed index. `table(pool)`, or `tables.<pool>` (e.g.
-    `tables.swa`, what the model's attention reads by the names its layout declared; a pool named
-    like an attribute below is reached by `table` only).
+    [rows, L // r + 1] indexed by compressed index. `table(pool)` gives one (the model resolves those
+    it reads once, by the names its layout declares).
     The last row (`pad_row`) is never a request's: padding tokens of a fixed-shape (graph) step use it,
     so every slot they address is a sentinel (`point_pad_row_at` sets its state entries).
+    `upload` copies the host side of each batch of writes to the device (the backend's transfers: a
+    copy that never waits for the device).
     """
 
     def __init__(
-        self, model: ServedModelConfig, engine: EngineConfig, device: str | torch.device | None = None
+        self,
+        model: ServedModelConfig,
+        engine: EngineConfig,
+        device: str | torch.device | None = None,
+        upload: Upload = torch.Tensor.to,
     ):
         rows, length = engine.max_num_seqs + 1, engine.resolved_max_model_len(model)
         self.pad_row = engine.max_num_seqs
@@ -39,6 +45,7 @@ class SlotTables:
         self.names = layout.names  # layout order: the order of every CacheLocs' fields
         self._specs = {p.name: p for p in layout.pools}
         dev = torch.device(device if device is not None else engine.device)
+        self.upload = upload
         widths = {p.name: _width(p, length) for p in layout.pools}
         # one buffer, each table a view of it: a step's writes to every table are one indexed store
         self.flat = torch.zeros(rows * sum(widths.values()), dtype=torch.int32, device=dev)
@@ -48,12 +55,6 @@ class SlotTables:
             self.base[name] = offset
             self._tables[name] = self.flat[offset : offset + rows * w].view(rows, w)
             offset += rows * w
-
-    def __getattr__(self, pool: str) -> torch.Tensor:
-        tables = self.__dict__.get("_tables", {})
-        if pool not in tables:
-            raise AttributeError(f"no pool {pool!r} in the slot tables ({tuple(tables)})")
-        return tables[pool]
 
     def point_pad_row_at(self, state_sentinels: dict[str, int]) -> None:
         """The pad row's state entries address the state pools' sentinels (0 is a real slot in ring mode)."""
@@ -112,7 +113,7 @@ def write_cache_locs_batch(tables: SlotTables, batch: Sequence[CacheLocs]) -> No
     index = _small_index(tables, batch) if total <= SMALL_WRITE else _large_index(tables, batch)
     values = b"".join(data for p in range(n) for locs in batch if (data := locs.packed[p]))
     host = torch.frombuffer(bytearray(index + values), dtype=torch.uint8)
-    on_device = to_device(host, tables.flat.device)
+    on_device = tables.upload(host, tables.flat.device)
     flat_index = on_device[: 8 * total].view(torch.int64)
     tables.flat[flat_index] = on_device[8 * total :].view(torch.int32)
 

@@ -1,43 +1,52 @@
-"""Checkpoint formats beside the official FP8 blocks: MXFP4 routed experts and compressed-tensors W8A8.
+"""Checkpoint formats: how low-precision and int8 tensors sit in a checkpoint, with their companions.
 
-MXFP4 (the official DeepSeek-V4 routed experts): `X.weight` int8 [N, K/2] holds two e2m1 codes per
-byte, the low nibble being element 2j and the high nibble element 2j+1 along K; `X.scale` ue8m0
-[N, K/32] holds one power-of-two exponent per 32 weights. `W[n, k] = E2M1[code] * 2^(S[n, k//32] - 127)`.
-Every such value is exact in bf16 and fp32, so dequantizing loses nothing.
-
-compressed-tensors W8A8 int8 (`quantization_config.quant_method: compressed-tensors`, format
-`int-quantized`, status `compressed`): each quantized Linear `X` holds `X.weight` int8 [out, in] and
-`X.weight_scale` [out, 1] (or [out]), symmetric (no zero point), channel-wise weights and dynamic
-per-token int8 activations. Which modules are quantized is the config's: a module a config group
-`targets` (`Linear`, an exact module name, or `re:<regex>`) and that `ignore` does not name. Names
-and regexes are matched against the module name as the file writes it (with and without a leading
-`model.`); `Linear` means every 2-D projection of DeepSeek-V4 except the embedding and the router.
+- FP8 blocks (`X.weight` float8_e4m3 with a `X.scale` companion) and packed MXFP4 routed experts
+  (`X.weight` int8/uint8 with a ue8m0 `X.scale`), decoded by `layers/formats.py`.
+- msModelSlim W8A8_DYNAMIC (Ascend): `quant_model_description.json` names each tensor's quant type;
+  `X.weight` int8 with `X.weight_scale` / `X.weight_offset` becomes an `Int8Weight`.
+- compressed-tensors W8A8 int8 (`quantization_config.quant_method: compressed-tensors`, format
+  `int-quantized`, status `compressed`): each quantized Linear `X` holds `X.weight` int8 [out, in] and
+  `X.weight_scale` [out, 1] (or [out]), symmetric channel-wise weights, dynamic per-token int8 inputs.
+  Which modules are quantized is the config's: a module a config group `targets` (`Linear`, an exact
+  module name, or `re:<regex>`) and that `ignore` does not name, matched against the module name as
+  the file writes it (with and without a leading `model.`); `Linear` means every tensor the family's
+  schema marks `linear`.
+Int8 is accepted only on the projections the schema marks `int8`, and each layer's routed experts are
+all int8 or all float per projection, gate and up alike (they load into one buffer).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dsv4serve.models.weights import (
-    WEIGHT_SCALE,
-    CheckpointError,
-    Shape,
-    check_uniform_experts,
-    decode_e8m0,
-    expert_slot,
-    listed,
-    takes_int8,
-)
+from dsv4serve.layers.formats import FP8_BLOCK, MXFP4_BLOCK, dequantize_fp8_block
+from dsv4serve.layers.linear import Int8Weight
+from dsv4serve.models.spec import CheckpointError, CheckpointNames, Schema, Shape
 
-MXFP4_BLOCK = 32  # weights per ue8m0 scale along K
-# e2m1 code -> value; bit 3 is the sign, bits 2-1 the exponent, bit 0 the mantissa
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+SCALE_SUFFIX = ".scale"
+# msModelSlim / compressed-tensors int8 companions (W8A8); recognised so that they are refused by name.
+INT8_SUFFIXES = (
+    ".weight_scale",
+    ".weight_offset",
+    ".input_scale",
+    ".input_offset",
+    ".deq_scale",
+    ".quant_bias",
+)
+WEIGHT_SCALE = ".weight_scale"
+WEIGHT_OFFSET = ".weight_offset"
+# msModelSlim quant types (quant_model_description.json) the loader reads
+QUANT_FLOAT = "FLOAT"
+QUANT_W8A8_DYNAMIC = "W8A8_DYNAMIC"
+FP8_DTYPES = (torch.float8_e4m3fn,)
+PACKED_FP4_DTYPES = (torch.int8, torch.uint8)
 E8M0_HEADER_DTYPES = ("F8_E8M0", "U8")
+MAX_NAMES = 10  # names an error message lists before `... and N more`
 
 CT_METHOD = "compressed-tensors"
 CT_FORMAT = "int-quantized"
@@ -51,7 +60,106 @@ CT_INPUTS: dict[str, Any] = {"strategy": "token", "dynamic": True}
 CT_REQUIRED: dict[str, Any] = {"num_bits": 8, "type": "int", "symmetric": True}
 
 
-# -------------------------------------------------------------------------------------- MXFP4
+def listed(names: list[str]) -> str:
+    """The first MAX_NAMES names, comma-separated, then how many more."""
+    more = len(names) - MAX_NAMES
+    return ", ".join(names[:MAX_NAMES]) + (f" ... and {more} more" if more > 0 else "")
+
+
+def dequantize_or_keep(
+    name: str,
+    tensor: torch.Tensor,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    block: tuple[int, int] = FP8_BLOCK,
+) -> torch.Tensor:
+    """The logical value of one checkpoint tensor (consuming its `.scale` companion), cast to `dtype`."""
+    if scale is None:
+        if tensor.dtype in FP8_DTYPES:
+            raise CheckpointError(f"{name}: float8 tensor without a {SCALE_SUFFIX} companion")
+        return tensor.to(dtype)
+    if tensor.dtype in FP8_DTYPES:
+        try:
+            return dequantize_fp8_block(tensor, scale, dtype, block)
+        except ValueError as exc:
+            raise CheckpointError(f"{name}{SCALE_SUFFIX}: {exc}") from None
+    if tensor.dtype in PACKED_FP4_DTYPES:
+        raise CheckpointError(f"{name}: packed MXFP4 is read by dequantize_mxfp4, not here")
+    raise CheckpointError(f"{name}: dtype {tensor.dtype} cannot carry a {SCALE_SUFFIX} companion")
+
+
+def int8_weight(
+    name: str, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None
+) -> Int8Weight:
+    """W8A8 `X.weight` int8 (out, in) with `X.weight_scale` (and msModelSlim's `X.weight_offset`;
+    [out] or [out, 1]) -> `Int8Weight` with an fp32 (out,) scale. Offsets must be zero (symmetric)."""
+    base = name.removesuffix(".weight")
+    if qweight.dtype != torch.int8:
+        raise CheckpointError(f"{name}: W8A8_DYNAMIC weight of dtype {qweight.dtype}, expected int8")
+    if offset is not None and bool(offset.ne(0).any()):
+        raise CheckpointError(
+            f"{base}{WEIGHT_OFFSET}: non-zero offsets (asymmetric int8) are not supported, "
+            "W8A8_DYNAMIC weights must be symmetric"
+        )
+    flat = scale.float().reshape(-1)  # (out,)
+    if not bool(torch.isfinite(flat).all()):
+        raise CheckpointError(f"{base}{WEIGHT_SCALE}: non-finite scales")
+    return Int8Weight(qweight, flat)
+
+
+# ---------------------------------------------------------------------------- msModelSlim
+
+
+def int8_companions(
+    names: Collection[str], quant_types: Mapping[str, str], schema: Schema, naming: CheckpointNames
+) -> dict[str, tuple[str, str]]:
+    """Each W8A8_DYNAMIC weight among `names` (msModelSlim types; absent = FLOAT) -> its
+    (`.weight_scale`, `.weight_offset`) names. Refuses other quant types, int8 on tensors the model
+    takes only in floating point, missing companions, and experts of one layer mixing formats."""
+    typed = {n: quant_types.get(n, QUANT_FLOAT) for n in names}
+    other = [f"{n} ({t})" for n, t in typed.items() if t not in (QUANT_FLOAT, QUANT_W8A8_DYNAMIC)]
+    if other:
+        raise CheckpointError(
+            f"quant types other than {QUANT_W8A8_DYNAMIC} and {QUANT_FLOAT} are not supported: "
+            f"{listed(sorted(other))}"
+        )
+    quantized = [
+        n
+        for n, t in typed.items()
+        if t == QUANT_W8A8_DYNAMIC and not n.endswith((WEIGHT_SCALE, WEIGHT_OFFSET))
+    ]
+    refused = [f"{n} ({QUANT_W8A8_DYNAMIC})" for n in quantized if n in schema and not schema[n].int8]
+    if refused:
+        raise CheckpointError(
+            f"quantized tensors the model takes only in floating point: {listed(sorted(refused))}"
+        )
+    out: dict[str, tuple[str, str]] = {}
+    for name in quantized:
+        base = name.removesuffix(".weight")
+        pair = (base + WEIGHT_SCALE, base + WEIGHT_OFFSET)
+        absent = [c for c in pair if c not in typed]
+        if absent:
+            raise CheckpointError(f"{name}: {QUANT_W8A8_DYNAMIC} weight without {' and '.join(absent)}")
+        out[name] = pair
+    check_uniform_experts(out, schema, naming)
+    return out
+
+
+def check_uniform_experts(int8: Mapping[str, object], schema: Schema, naming: CheckpointNames) -> None:
+    """Each layer's experts are all int8 or all float per projection, gate and up alike (they load into
+    one buffer)."""
+    kinds: dict[str, set[bool]] = {}
+    for name in schema:
+        slot = naming.expert(name)
+        if slot is not None:
+            stem, _, leaf = slot[0].rpartition(".")
+            kinds.setdefault(f"{stem}.w1/w3" if leaf in ("w1", "w3") else slot[0], set()).add(name in int8)
+    mixed = sorted(stacked for stacked, seen in kinds.items() if len(seen) > 1)
+    if mixed:
+        raise CheckpointError(f"experts mix {QUANT_W8A8_DYNAMIC} and {QUANT_FLOAT}: {listed(mixed)}")
+
+
+# ---------------------------------------------------------------------------------- MXFP4
 
 
 def is_mxfp4(name: str, weight_dtype: str) -> bool:
@@ -60,10 +168,11 @@ def is_mxfp4(name: str, weight_dtype: str) -> bool:
 
 
 def mxfp4_shape_errors(
-    name: str, shape: Shape, scale_shape: Shape, scale_dtype: str, logical: Shape
+    name: str, shape: Shape, scale_shape: Shape, scale_dtype: str, logical: Shape, expert: bool
 ) -> list[str]:
-    """What is wrong with a packed MXFP4 weight `name` of logical shape [N, K] (empty if nothing)."""
-    if expert_slot(name) is None:
+    """What is wrong with a packed MXFP4 weight `name` (a routed `expert`'s or not) of logical shape
+    [N, K] (empty if nothing)."""
+    if not expert:
         raise CheckpointError(f"{name}: MXFP4 weights are read only for routed experts")
     if scale_dtype not in E8M0_HEADER_DTYPES:
         raise CheckpointError(f"{name}: MXFP4 scale of dtype {scale_dtype}, expected F8_E8M0")
@@ -77,23 +186,6 @@ def mxfp4_shape_errors(
         base = name.removesuffix(".weight")
         bad.append(f"{base}.scale {list(scale_shape)} (expected [{n}, {k // MXFP4_BLOCK}])")
     return bad
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Packed e2m1 pairs (N, K/2) int8/uint8 with ue8m0 scales (N, K/32) -> (N, K) in `dtype`."""
-    assert packed.dtype in (torch.int8, torch.uint8) and packed.dim() == 2, packed.dtype
-    n, half = packed.shape
-    k = 2 * half
-    if tuple(scale.shape) != (n, k // MXFP4_BLOCK) or k % MXFP4_BLOCK:
-        raise CheckpointError(
-            f"MXFP4 scale shape {tuple(scale.shape)} does not match {n} rows of {k} weights in "
-            f"blocks of {MXFP4_BLOCK}"
-        )
-    raw = packed.view(torch.uint8)
-    codes = torch.stack((raw & 0x0F, raw >> 4), dim=-1).reshape(n, k)  # (N, K): low nibble first
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]  # (N, K)
-    s = decode_e8m0(scale.view(torch.uint8)).repeat_interleave(MXFP4_BLOCK, dim=1)  # (N, K)
-    return (values * s).to(dtype)
 
 
 # --------------------------------------------------------------------------- compressed-tensors
@@ -194,28 +286,17 @@ def _matches(patterns: tuple[str, ...], module: str, official: str, linear: bool
     return False
 
 
-def is_linear(name: str, shape: Shape) -> bool:
-    """Whether official tensor `name` is the weight of a Linear (a 2-D projection, not the embedding
-    nor the router): what a compressed-tensors `Linear` target names."""
-    return (
-        name.endswith(".weight")
-        and len(shape) == 2
-        and name != "embed.weight"
-        and not name.endswith("ffn.gate.weight")
-    )
-
-
 def ct_int8_weights(
-    keys: Mapping[str, str], expected: Mapping[str, Shape], config: CompressedTensorsConfig
+    keys: Mapping[str, str], schema: Schema, naming: CheckpointNames, config: CompressedTensorsConfig
 ) -> dict[str, str]:
-    """Each int8 weight of a compressed-tensors checkpoint -> its `.weight_scale` name (official names;
-    `keys` maps every official name in the file to the name the file writes). Refuses an int8 weight
+    """Each int8 weight of a compressed-tensors checkpoint -> its `.weight_scale` name (schema names;
+    `keys` maps every schema name in the file to the name the file writes). Refuses an int8 weight
     the config does not quantize, a weight it quantizes that is stored unquantized, and int8 on a
     tensor the model takes only in floating point."""
     out: dict[str, str] = {}
     wrong: list[str] = []
-    for name, shape in expected.items():
-        if not is_linear(name, shape) or name not in keys:
+    for name, spec in schema.items():
+        if not spec.linear or name not in keys:
             continue
         module = keys[name].removesuffix(".weight")
         scale = name.removesuffix(".weight") + WEIGHT_SCALE
@@ -228,8 +309,8 @@ def ct_int8_weights(
         raise CheckpointError(
             f"tensors whose storage disagrees with quantization_config targets/ignore: {listed(wrong)}"
         )
-    refused = sorted(n for n in out if not takes_int8(n))
+    refused = sorted(n for n in out if not schema[n].int8)
     if refused:
         raise CheckpointError(f"quantized tensors the model takes only in floating point: {listed(refused)}")
-    check_uniform_experts(out, expected)
+    check_uniform_experts(out, schema, naming)
     return out

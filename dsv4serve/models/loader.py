@@ -1,28 +1,22 @@
-"""Load a DeepSeek-V4 safetensors checkpoint into a flat dict of weights under official names.
+"""Load a safetensors checkpoint of any family against its schema, as a flat dict of weights.
 
-`load_checkpoint` reads one `model.safetensors`, or the shards listed by `model.safetensors.index.json`
-(or every `*.safetensors` file). Names may carry a `model.` prefix; `mtp.*` tensors are skipped.
-transformers' names (`DeepseekV4ForCausalLM.save_pretrained`, in either format) map to the official
-ones first (`hf_names.py`); its stacked experts are read as per-expert slices.
-Before any data is read the headers are checked against `expected_tensors(model)`: missing,
-unexpected and mis-shaped tensors raise one `CheckpointError` naming them. Each tensor then goes
-through the format step (`dequantize_or_keep`, which consumes a `.scale` companion), is cast to its
-storage dtype (`storage_dtype`) and moved to `device`; routed experts are stacked per layer into
-`layers.L.ffn.experts.{w1,w3}` [E, I, H] and `.w2` [E, H, I]. Pickled checkpoints are refused.
+`load_weights` reads one `model.safetensors`, or the shards listed by `model.safetensors.index.json`
+(or every `*.safetensors` file). Names lose a leading `model.` and map through the family's
+`CheckpointNames` (DeepSeek-V4 also reads transformers' names and stacked experts); tensors the family
+skips (an MTP block) are dropped. Before any data is read the headers are checked against the schema:
+missing, unexpected and mis-shaped tensors raise one `CheckpointError` naming them. Each tensor then
+goes through the format step (`formats.py`: FP8 blocks dequantized with their `.scale`, MXFP4 experts
+decoded, W8A8 int8 kept as `Int8Weight`), is cast to its storage dtype (fp32 where the schema keeps
+fp32, int64 stays, else `dtype`) and moved to `device`; each layer's routed experts are stacked into
+`<stem>.{w1,w3}` [E, I, H] (the two halves of one [E, 2I, H] buffer when float) and `<stem>.w2`
+[E, H, I]. Pickled checkpoints are refused.
 
 An msModelSlim directory (Ascend W8A8, marked by `quant_model_description.json`, tensors in
 `quant_model_weights*.safetensors`, shards listed by `quant_model_weights.safetensors.index.json`)
-names each tensor's quant type. `FLOAT` tensors load as above; `W8A8_DYNAMIC` projections load as
-`Int8Weight` (`int8_weight`, consuming `.weight_scale` / `.weight_offset`; experts stacked to qweight
-[E, out, in] and scale [E, out]); any other type, or int8 on a tensor the model math only takes in
-floating point, is a `CheckpointError`.
-
-A compressed-tensors checkpoint (`quantization_config.quant_method: compressed-tensors`, see
-`formats.py`) loads its int8 projections (`X.weight` + `X.weight_scale`) as `Int8Weight` the same way;
-its targets and ignore list must agree with what the file stores. Official MXFP4 routed experts
-(int8-packed e2m1 + ue8m0 1x32 `.scale`) are dequantized (`fp4_experts="float"`, exact) or dequantized
-and re-quantized to per-channel int8 (`fp4_experts="int8"`). `iter_checkpoint` yields the same values
-one tensor at a time, experts unstacked (what `quantize` streams through).
+names each tensor's quant type; a compressed-tensors one says it in its `quantization_config`. Official
+MXFP4 routed experts are decoded (`fp4_experts="float"`, exact) or decoded and re-quantized to
+per-channel int8 (`fp4_experts="int8"`). `iter_weights` yields the same values one tensor at a time,
+experts unstacked (what `quantize` streams through).
 """
 
 from __future__ import annotations
@@ -30,46 +24,35 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dsv4serve.config import FP4_EXPERTS, ModelConfig
+from dsv4serve.config import FP4_EXPERTS
+from dsv4serve.layers.formats import FP8_BLOCK, dequantize_mxfp4
+from dsv4serve.layers.linear import Int8Weight, Weight, quantize_int8
 from dsv4serve.models.formats import (
-    compressed_tensors_config,
-    ct_int8_weights,
-    dequantize_mxfp4,
-    is_mxfp4,
-    mxfp4_shape_errors,
-)
-from dsv4serve.models.hf_names import official_name, stacked_expert_parts
-from dsv4serve.models.weights import (
-    DEFAULT_BLOCK,
     INT8_SUFFIXES,
     MAX_NAMES,
     QUANT_W8A8_DYNAMIC,
     SCALE_SUFFIX,
     WEIGHT_OFFSET,
     WEIGHT_SCALE,
-    CheckpointError,
+    compressed_tensors_config,
+    ct_int8_weights,
     dequantize_or_keep,
-    expected_tensors,
-    expert_slot,
     int8_companions,
     int8_weight,
+    is_mxfp4,
     listed,
-    loaded_tensors,
-    storage_dtype,
+    mxfp4_shape_errors,
 )
+from dsv4serve.models.progress import Progress, silent
+from dsv4serve.models.spec import CheckpointError, CheckpointNames, ModelSpec, Schema, TensorSpec
 from dsv4serve.moe.experts import stacked_gate_up
-from dsv4serve.progress import Progress, silent
-from dsv4serve.quant import Int8Weight, Weight, quantize_int8
-
-__all__ = ["CheckpointError", "expected_tensors", "iter_checkpoint", "load_checkpoint", "loaded_tensors"]
-
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -99,49 +82,103 @@ class PlannedTensor:
     int8: bool = False  # a W8A8 int8 weight (msModelSlim or compressed-tensors)
 
 
-def load_checkpoint(
+@dataclass(frozen=True)
+class Expected:
+    """What a checkpoint of one family and config holds: its schema, names and quantization."""
+
+    schema: Schema
+    naming: CheckpointNames
+    quantization: Mapping[str, Any] | None = None
+
+    @classmethod
+    def of(cls, spec: ModelSpec[Any], cfg: Any) -> Expected:
+        return cls(spec.schema(cfg), spec.names(cfg), getattr(cfg, "quantization", None))
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """FP8 weights' scale block (quantization_config.weight_block_size, else 128 x 128)."""
+        block = (self.quantization or {}).get("weight_block_size", FP8_BLOCK)
+        return (int(block[0]), int(block[1]))
+
+
+def load_weights(
     model_dir: Path | str,
-    model: ModelConfig,
+    spec: ModelSpec[Any],
+    cfg: Any,
     *,
     dtype: torch.dtype,
     device: str = "cpu",
     fp4_experts: str = "float",
     progress: Progress[tuple[str, Any]] = silent,
-) -> dict[str, torch.Tensor | Int8Weight]:
-    """Every weight of `model` by official name (experts stacked), cast by `storage_dtype`, on `device`;
-    int8 projections of a W8A8 checkpoint as `Int8Weight` (int8 + fp32 scale). `progress` wraps the
-    tensors as they load (`progress.shown`: a bar or log lines)."""
+) -> dict[str, Weight]:
+    """Every weight of the checkpoint by schema name (experts stacked), at its storage dtype, on
+    `device`; int8 projections of a W8A8 checkpoint as `Int8Weight` (int8 + fp32 scale). `progress`
+    wraps the tensors as they load (`progress.shown`: a bar or log lines)."""
+    expected = Expected.of(spec, cfg)
+    sizes = _stack_sizes(expected)
     out: dict[str, Weight] = {}
-    for name, value in iter_checkpoint(
-        model_dir, model, dtype=dtype, fp4_experts=fp4_experts, progress=progress
+    for name, value in iter_weights(
+        model_dir, spec, cfg, dtype=dtype, fp4_experts=fp4_experts, progress=progress, expected=expected
     ):
-        _place(out, name, value, model, device)
-    _check_tid2eid(out, model)
+        _place(out, name, value, expected.naming, sizes, device)
+    spec.check_weights(cfg, out)
     return out
 
 
-def iter_checkpoint(
+def iter_weights(
     model_dir: Path | str,
-    model: ModelConfig,
+    spec: ModelSpec[Any],
+    cfg: Any,
     *,
     dtype: torch.dtype,
     fp4_experts: str = "float",
     progress: Progress[tuple[str, Any]] = silent,
+    expected: Expected | None = None,
 ) -> Iterator[tuple[str, Weight]]:
-    """Each expected tensor by official name (experts one by one, on the CPU), as `load_checkpoint`
-    reads it; the headers are checked before the first tensor is read."""
+    """Each tensor of the schema (experts one by one, on the CPU), as `load_weights` reads it; the
+    headers are checked before the first tensor is read."""
     if fp4_experts not in FP4_EXPERTS:
         raise ValueError(f"fp4_experts: {fp4_experts!r} is not one of {FP4_EXPERTS}")
+    expected = expected or Expected.of(spec, cfg)
     files = checkpoint_files(Path(model_dir))
-    plan = plan_tensors(read_headers(files), model, read_quant_types(Path(model_dir)))
-    block = _block_size(model)
+    plan = plan_tensors(read_headers(files, expected.naming), expected, read_quant_types(Path(model_dir)))
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in files}
         for name, item in progress(list(plan.items()), "weights"):
             raw = _read(handles, item.weight)
             scale = _read(handles, item.scale) if item.scale else None
             offset = _read(handles, item.offset) if item.offset else None
-            yield name, _value(name, item, raw, scale, offset, storage_dtype(name, dtype), block, fp4_experts)
+            kept = storage_dtype(expected.schema[name], dtype)
+            yield name, _value(name, item, raw, scale, offset, kept, expected.block, fp4_experts)
+
+
+def storage_dtype(spec: TensorSpec, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is kept in: int64 stays, fp32 where the schema says, else `dtype`."""
+    if spec.disk == "int64":
+        return torch.int64
+    return torch.float32 if spec.fp32 else dtype
+
+
+def loaded_schema(schema: Schema, naming: CheckpointNames) -> Schema:
+    """The tensors `load_weights` returns: each layer's routed experts stacked, [E, ...]."""
+    out: Schema = {}
+    for name, spec in schema.items():
+        slot = naming.expert(name)
+        if slot is None:
+            out[name] = spec
+        else:
+            stacked = out.get(slot[0])
+            count = stacked.shape[0] + 1 if stacked is not None else 1
+            out[slot[0]] = replace(spec, shape=(count, *spec.shape))
+    return out
+
+
+def _stack_sizes(expected: Expected) -> dict[str, int]:
+    return {
+        n: s.shape[0]
+        for n, s in loaded_schema(expected.schema, expected.naming).items()
+        if n not in expected.schema
+    }
 
 
 def _value(
@@ -158,9 +195,11 @@ def _value(
         assert scale is not None
         return int8_weight(name, raw, scale, offset)
     if scale is not None and is_mxfp4(name, item.weight.dtype):
-        if fp4_experts == "int8":
-            return quantize_int8(dequantize_mxfp4(raw, scale, torch.float32))
-        return dequantize_mxfp4(raw, scale, dtype)
+        try:
+            value = dequantize_mxfp4(raw, scale, torch.float32 if fp4_experts == "int8" else dtype)
+        except ValueError as exc:
+            raise CheckpointError(f"{name}: {exc}") from None
+        return quantize_int8(value) if fp4_experts == "int8" else value
     return dequantize_or_keep(name, raw, scale, dtype, block)
 
 
@@ -219,22 +258,16 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from None
 
 
-def read_headers(files: list[Path], dsv4_names: bool = True) -> dict[str, HeaderEntry]:
-    """Every tensor of every file by its official DeepSeek-V4 name (transformers' names mapped, its
-    stacked experts split per expert), or without `dsv4_names` by its name without a `model.` prefix;
-    two tensors with one name are an error."""
+def read_headers(files: list[Path], naming: CheckpointNames) -> dict[str, HeaderEntry]:
+    """Every tensor of every file by its schema name (`naming`'s renames, a tensor of every expert split
+    per expert); two tensors with one name are an error."""
     out: dict[str, HeaderEntry] = {}
     for file in files:
         with _open(file) as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 part = handle.get_slice(key)
                 shape, dtype = tuple(part.get_shape()), part.get_dtype()
-                entries = (
-                    _entries(file, key, shape, dtype)
-                    if dsv4_names
-                    else [(key.removeprefix("model."), HeaderEntry(file, key, shape, dtype))]
-                )
-                for name, entry in entries:
+                for name, entry in _entries(file, key, shape, dtype, naming):
                     if name in out:
                         first = out[name]
                         raise CheckpointError(
@@ -244,9 +277,11 @@ def read_headers(files: list[Path], dsv4_names: bool = True) -> dict[str, Header
     return out
 
 
-def _entries(file: Path, key: str, shape: tuple[int, ...], dtype: str) -> list[tuple[str, HeaderEntry]]:
-    name = official_name(key)
-    parts = stacked_expert_parts(name, shape)
+def _entries(
+    file: Path, key: str, shape: tuple[int, ...], dtype: str, naming: CheckpointNames
+) -> list[tuple[str, HeaderEntry]]:
+    name = naming.rename(key.removeprefix("model."))
+    parts = naming.split(name, shape)
     if parts is None:
         return [(name, HeaderEntry(file, key, shape, dtype))]
     return [
@@ -256,42 +291,40 @@ def _entries(file: Path, key: str, shape: tuple[int, ...], dtype: str) -> list[t
 
 
 def plan_tensors(
-    headers: dict[str, HeaderEntry], model: ModelConfig, quant_types: dict[str, str] | None = None
+    headers: dict[str, HeaderEntry], expected: Expected, quant_types: dict[str, str] | None = None
 ) -> dict[str, PlannedTensor]:
-    """Pair each expected tensor with its `.scale` (or, for msModelSlim W8A8_DYNAMIC ones given
+    """Pair each tensor of the schema with its `.scale` (or, for msModelSlim W8A8_DYNAMIC ones given
     `quant_types`, its `.weight_scale` / `.weight_offset`); raise on missing / unexpected / mis-shaped
     ones, on unsupported quant types and on int8 where the model math takes only floating point."""
-    names = {n: e for n, e in headers.items() if not n.startswith("mtp.")}
-    expected = expected_tensors(model)
-    int8 = _int8_companions(names, expected, model, quant_types)
+    schema = expected.schema
+    names = {n: e for n, e in headers.items() if not expected.naming.skip(n)}
+    int8 = _int8_companions(names, expected, quant_types)
     scales = {n.removesuffix(SCALE_SUFFIX) + ".weight": n for n in names if n.endswith(SCALE_SUFFIX)}
     present = set(names) - set(scales.values()) - {c for pair in int8.values() for c in pair if c}
-    missing = [n for n in expected if n not in present]
-    unexpected = sorted((present - expected.keys()) | {s for w, s in scales.items() if w not in expected})
+    missing = [n for n in schema if n not in present]
+    unexpected = sorted((present - schema.keys()) | {s for w, s in scales.items() if w not in schema})
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensors: {listed(missing)}")
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} unexpected tensors: {listed(unexpected)}")
-    plan = {n: _planned(n, names, scales, int8) for n in expected}
+    plan = {n: _planned(n, names, scales, int8) for n in schema}
     _check_shapes(plan, expected)
     return plan
 
 
 def _int8_companions(
-    names: dict[str, HeaderEntry],
-    expected: dict[str, tuple[int, ...]],
-    model: ModelConfig,
-    quant_types: dict[str, str] | None,
+    names: dict[str, HeaderEntry], expected: Expected, quant_types: dict[str, str] | None
 ) -> dict[str, tuple[str, str | None]]:
     """Each int8 weight -> its (scale, offset) companions: msModelSlim's description, or the
     compressed-tensors config (no offsets); neither: int8 companions are refused."""
-    ct = compressed_tensors_config(model.quantization)
+    ct = compressed_tensors_config(expected.quantization)
+    schema, naming = expected.schema, expected.naming
     if quant_types is not None:
         if ct is not None:
             raise CheckpointError(f"both {DESCRIPTION_FILE} and a compressed-tensors quantization_config")
-        return dict(int8_companions(names, quant_types, expected))
+        return dict(int8_companions(names, quant_types, schema, naming))
     if ct is not None:
-        found = ct_int8_weights({n: e.key for n, e in names.items()}, expected, ct)
+        found = ct_int8_weights({n: e.key for n, e in names.items()}, schema, naming, ct)
         return {n: (s, None) for n, s in found.items()}
     _refuse_int8_companions(names)
     return {}
@@ -318,20 +351,23 @@ def _refuse_int8_companions(names: dict[str, HeaderEntry]) -> None:
         )
 
 
-def _check_shapes(plan: dict[str, PlannedTensor], expected: dict[str, tuple[int, ...]]) -> None:
+def _check_shapes(plan: dict[str, PlannedTensor], expected: Expected) -> None:
     bad = []
     for name, item in plan.items():
+        shape, integer = expected.schema[name].shape, expected.schema[name].disk == "int64"
         if item.int8:
-            bad += _int8_shape_errors(name, item, expected[name])
+            bad += _int8_shape_errors(name, item, shape)
             continue
         if item.scale is not None and is_mxfp4(name, item.weight.dtype):
-            scale = item.scale
-            bad += mxfp4_shape_errors(name, item.weight.shape, scale.shape, scale.dtype, expected[name])
+            scale, expert = item.scale, expected.naming.expert(name) is not None
+            bad += mxfp4_shape_errors(name, item.weight.shape, scale.shape, scale.dtype, shape, expert)
             continue
-        if item.scale is None and (item.weight.dtype in INT_HEADER_DTYPES) != name.endswith("tid2eid"):
+        if item.scale is None and item.weight.dtype.startswith("F8_"):
+            raise CheckpointError(f"{name}: float8 tensor without a {SCALE_SUFFIX} companion")
+        if item.scale is None and (item.weight.dtype in INT_HEADER_DTYPES) != integer:
             raise CheckpointError(f"{name}: unexpected dtype {item.weight.dtype} for an unscaled tensor")
-        if item.weight.shape != expected[name]:
-            bad.append(f"{name} {list(item.weight.shape)} (expected {list(expected[name])})")
+        if item.weight.shape != shape:
+            bad.append(f"{name} {list(item.weight.shape)} (expected {list(shape)})")
     if bad:
         raise CheckpointError(f"checkpoint has {len(bad)} mis-shaped tensors: {listed(bad)}")
 
@@ -368,14 +404,21 @@ def _read(handles: dict[Path, Any], entry: HeaderEntry) -> torch.Tensor:
         raise CheckpointError(f"{entry.file}: cannot read {entry.key} ({exc})") from None
 
 
-def _place(out: dict[str, Weight], name: str, value: Weight, model: ModelConfig, device: str) -> None:
-    slot = expert_slot(name)
+def _place(
+    out: dict[str, Weight],
+    name: str,
+    value: Weight,
+    naming: CheckpointNames,
+    sizes: dict[str, int],
+    device: str,
+) -> None:
+    slot = naming.expert(name)
     if slot is None:
         out[name] = value.to(device) if isinstance(value, torch.Tensor) else _int8_to(value, device)
         return
     stacked, expert = slot
     if stacked not in out:
-        out |= _empty_stacks(stacked, value, model.n_routed_experts, device, out)
+        out |= _empty_stacks(stacked, value, sizes[stacked], device, out)
     target = out[stacked]
     if isinstance(value, Int8Weight) and isinstance(target, Int8Weight):
         target.qweight[expert].copy_(value.qweight)
@@ -408,17 +451,3 @@ def _empty_stacks(
             torch.empty((num, *value.scale.shape), dtype=torch.float32, device=device),  # (E, out)
         )
     }
-
-
-def _check_tid2eid(out: dict[str, Weight], model: ModelConfig) -> None:
-    for layer in range(model.num_hash_layers):
-        name = f"layers.{layer}.ffn.gate.tid2eid"
-        table = out[name]
-        assert isinstance(table, torch.Tensor)
-        if table.numel() and (int(table.min()) < 0 or int(table.max()) >= model.n_routed_experts):
-            raise CheckpointError(f"{name}: expert ids outside [0, {model.n_routed_experts})")
-
-
-def _block_size(model: ModelConfig) -> tuple[int, int]:
-    block = (model.quantization or {}).get("weight_block_size", DEFAULT_BLOCK)
-    return (int(block[0]), int(block[1]))

@@ -23,6 +23,7 @@ are copied.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,31 +32,25 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dsv4serve.config import QUANTIZE_FORMATS, ModelConfig
-from dsv4serve.models.formats import CT_FORMAT, CT_LINEAR, CT_METHOD, CT_REGEX, CT_STATUS
-from dsv4serve.models.loader import DESCRIPTION_FILE, INDEX_FILE, MODELSLIM_INDEX_FILE, iter_checkpoint
-from dsv4serve.models.weights import (
+from dsv4serve.config import QUANTIZE_FORMATS
+from dsv4serve.layers.linear import Int8Weight, Weight, quantize_int8
+from dsv4serve.models.formats import (
+    CT_FORMAT,
+    CT_LINEAR,
+    CT_METHOD,
+    CT_REGEX,
+    CT_STATUS,
     QUANT_FLOAT,
     QUANT_W8A8_DYNAMIC,
     WEIGHT_OFFSET,
     WEIGHT_SCALE,
-    CheckpointError,
-    takes_int8,
 )
-from dsv4serve.quant import Int8Weight, Weight, quantize_int8
+from dsv4serve.models.loader import DESCRIPTION_FILE, INDEX_FILE, MODELSLIM_INDEX_FILE, iter_weights
+from dsv4serve.models.registry import config_from_dir, spec_for
+from dsv4serve.models.spec import CheckpointError, ModelSpec, Schema
 
 MSMODELSLIM, COMPRESSED_TENSORS = FORMATS = QUANTIZE_FORMATS
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
-MSMODELSLIM_FLOAT_SUFFIXES = ("attn.wo_b.weight",)  # the recipe's exclusions among int8 projections
-# Linear modules the model takes only in floating point: what the compressed-tensors output ignores.
-CT_IGNORE = (
-    "head",
-    "lm_head",
-    CT_REGEX + r".*attn\.wo_a$",
-    CT_REGEX + r".*compressor\.(wkv|wgate)$",
-    CT_REGEX + r".*indexer\.weights_proj$",
-    CT_REGEX + r".*ffn\.gate$",
-)
 CT_INT8_MAX = 127.5  # compressed-tensors' symmetric int8 scale: absmax / (255 / 2)
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
 NOT_COPIED = ("config.json", DESCRIPTION_FILE)
@@ -76,12 +71,17 @@ def quantize_checkpoint(
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes: must be >= 1, got {max_shard_bytes}")
     source, out = Path(src), Path(dst)
-    model = ModelConfig.from_dir(source)
+    model = config_from_dir(source)
+    spec = spec_for(model.model_type)
+    schema = spec.schema(model)
+    if not any(t.int8 for t in schema.values()):
+        raise CheckpointError(f"{model.model_type}: no projection takes W8A8 int8, nothing to quantize")
     float_dtype = getattr(torch, dtype or model.torch_dtype)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    tensors = _quantized(iter_checkpoint(source, model, dtype=torch.float32), fmt, float_dtype)
+    weights = iter_weights(source, spec, model, dtype=torch.float32)
+    tensors = _quantized(weights, schema, spec, fmt, float_dtype)
     description: dict[str, Any] = {
         "model_quant_type": QUANT_W8A8_DYNAMIC,
         "version": "1.0.0",
@@ -96,7 +96,7 @@ def quantize_checkpoint(
     if fmt == MSMODELSLIM:
         _write_json(out / DESCRIPTION_FILE, description)
     else:
-        config["quantization_config"] = compressed_tensors_quantization_config()
+        config["quantization_config"] = compressed_tensors_quantization_config(schema)
     config["torch_dtype"] = str(float_dtype).removeprefix("torch.")
     _write_json(out / "config.json", config)
     _copy_other_files(source, out)
@@ -104,7 +104,7 @@ def quantize_checkpoint(
     return out
 
 
-def compressed_tensors_quantization_config() -> dict[str, Any]:
+def compressed_tensors_quantization_config(schema: Schema) -> dict[str, Any]:
     """The `quantization_config` of a compressed-tensors W8A8 int8 checkpoint this module writes."""
     weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
     inputs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
@@ -114,7 +114,7 @@ def compressed_tensors_quantization_config() -> dict[str, Any]:
         "format": CT_FORMAT,
         "quantization_status": CT_STATUS,
         "config_groups": {"group_0": group | {"output_activations": None}},
-        "ignore": list(CT_IGNORE),
+        "ignore": ct_ignore(schema),
         "kv_cache_scheme": None,
         "sparsity_config": {},
     }
@@ -127,23 +127,36 @@ def quantize_int8_ct(w: torch.Tensor) -> Int8Weight:
     return Int8Weight(q, scale)
 
 
+def ct_ignore(schema: Schema) -> list[str]:
+    """The modules a compressed-tensors output keeps in float: every 2-D weight not stored int8, by
+    name, or by one regex per name with its layer index as `\\d+`."""
+    out: list[str] = []
+    for name, spec in schema.items():
+        if len(spec.shape) != 2 or spec.int8 or not name.endswith(".weight"):
+            continue
+        exact = re.escape(name.removesuffix(".weight"))
+        generic = re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", exact)
+        item = name.removesuffix(".weight") if generic == exact else f"{CT_REGEX}{generic}$"
+        if item not in out:
+            out.append(item)
+    return out
+
+
 def _quantized(
-    weights: Iterator[tuple[str, Weight]], fmt: str, dtype: torch.dtype
+    weights: Iterator[tuple[str, Weight]], schema: Schema, spec: ModelSpec[Any], fmt: str, dtype: torch.dtype
 ) -> Iterator[tuple[str, Weight]]:
-    """Each tensor as the format stores it: int8 projections as `Int8Weight`, the rest cast."""
+    """Each tensor as the format stores it: int8 projections as `Int8Weight`, the rest cast (fp32 and
+    int64 where the official checkpoint keeps them so)."""
+    keep_float = spec.msmodelslim_float if fmt == MSMODELSLIM else ()
     for name, value in weights:
         if isinstance(value, Int8Weight):  # an int8 input: kept (layouts differ only in companions)
             yield name, value
-        elif takes_int8(name) and not (fmt == MSMODELSLIM and name.endswith(MSMODELSLIM_FLOAT_SUFFIXES)):
+        elif schema[name].int8 and not name.endswith(keep_float):
             yield name, quantize_int8(value) if fmt == MSMODELSLIM else quantize_int8_ct(value)
-        elif value.dtype == torch.int64 or _fp32_on_disk(name):
+        elif schema[name].disk in ("int64", "fp32"):
             yield name, value
         else:
             yield name, value.to(dtype)
-
-
-def _fp32_on_disk(name: str) -> bool:
-    return name.startswith("hc_") or ".hc_" in name or name.endswith(("attn_sink", ".ape", "gate.bias"))
 
 
 def _described(

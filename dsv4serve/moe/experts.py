@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.quant import Weight, linear
+from dsv4serve.layers.linear import Weight, linear
 
 
 def swiglu(

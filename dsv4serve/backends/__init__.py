@@ -1,0 +1,305 @@
+"""The backend seam: the op families the model math calls, typed, and the device they run on.
+
+The seam sits at the height of the fused kernels: the attention ops read and write the pools through
+the slot tables themselves, from metadata their `prepare` builds once per step in fixed shapes. The
+model says what (attend over this layer's pools for these tokens), the backend says how. Op families
+every model calls are fields of `Backend`; those only one model calls are grouped by it (`dsv4`,
+`mla`). Every backend also says how its device takes a step's inputs and gives back its results
+(`Transfers`) and whether it captures steps as graphs (`graphs`).
+
+`select(device)` picks one, once, at start-up: `reference` (the pure-PyTorch executable spec, the CPU
+backend), `cuda` (Triton kernels, CUDA graphs, pinned transfers) or `npu` (torch_npu ops where a
+documented op has the contract, the reference elsewhere). Nothing outside this package branches on
+the device. The signatures follow the Ascend ops' contracts (torch_npu's op-plugin documentation), so
+the npu backend maps onto them one to one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.attention.metadata import ForwardBatch
+from dsv4serve.attention.mla import MlaDims, MlaMeta, QkvLatents
+from dsv4serve.attention.rope import RopeTables
+from dsv4serve.attention.step import StepMeta, StepTables
+from dsv4serve.config import DEVICES, ConfigError
+from dsv4serve.layers.linear import Weight
+from dsv4serve.layers.mhc import HcParams, HyperConnection
+
+Tensor = torch.Tensor
+T = TypeVar("T")
+Experts = tuple[Weight, Weight, Weight]  # w1 (gate), w2 (down), w3 (up)
+
+# ------------------------------------------------------------------ op families every model calls
+
+
+class Linear(Protocol):
+    def __call__(self, x: Tensor, w: Weight, /) -> Tensor:
+        """x (..., in) @ w^T -> (..., out) in x's dtype (layers/linear.py)."""
+        ...
+
+
+class RmsNorm(Protocol):
+    def __call__(self, x: Tensor, weight: Tensor, eps: float, /) -> Tensor: ...
+
+
+class GatingTopK(Protocol):
+    def __call__(
+        self,
+        x: Tensor,
+        k: int,
+        *,
+        bias: Tensor | None = None,
+        input_ids: Tensor | None = None,
+        tid2eid: Tensor | None = None,
+        k_group: int = 1,
+        group_count: int = 1,
+        group_select_mode: int = 0,
+        renorm: int = 0,
+        norm_type: int = 0,
+        routed_scaling_factor: float = 1.0,
+        eps: float = 1e-20,
+    ) -> tuple[Tensor, Tensor]:
+        """npu_moe_gating_top_k's contract on router logits (moe/routing.py): (weights, ids) (T, k)."""
+        ...
+
+
+class RoutedExperts(Protocol):
+    def __call__(
+        self,
+        x: Tensor,
+        weights: Tensor,
+        ids: Tensor,
+        w1: Weight,
+        w2: Weight,
+        w3: Weight,
+        limit: float,
+        shared: Experts | None = None,
+        /,
+    ) -> Tensor:
+        """Each token's chosen experts' clamped SwiGLU, weighted and summed, plus the shared expert
+        (moe/experts.py)."""
+        ...
+
+
+# ------------------------------------------------------------------ DeepSeek-V4's op families
+
+
+class PrepareStep(Protocol):
+    def __call__(
+        self, batch: ForwardBatch, tables: StepTables, rope: RopeTables, sliding_window: int, /
+    ) -> StepMeta:
+        """The step's metadata for every layer (attention/step.py)."""
+        ...
+
+
+class Rope(Protocol):
+    def __call__(self, x: Tensor, meta: StepMeta, compress: bool, inverse: bool = False, /) -> Tensor: ...
+
+
+class QNormRope(Protocol):
+    def __call__(self, q: Tensor, meta: StepMeta, compress: bool, eps: float, /) -> Tensor: ...
+
+
+class KvNormRopeStore(Protocol):
+    def __call__(
+        self, kv: Tensor, weight: Tensor, window: Tensor, meta: StepMeta, compress: bool, eps: float, /
+    ) -> None: ...
+
+
+class Compressor(Protocol):
+    def __call__(
+        self,
+        x: Tensor,
+        w: CompressorWeights,
+        state: Tensor,
+        out: Tensor,
+        meta: StepMeta,
+        ratio: int,
+        eps: float,
+        /,
+    ) -> None: ...
+
+
+class IndexerTopK(Protocol):
+    def __call__(
+        self, q: Tensor, head_w: Tensor, keys: Tensor, meta: StepMeta, topk: int, scale: float, /
+    ) -> Tensor: ...
+
+
+class SparseAttention(Protocol):
+    def __call__(
+        self,
+        q: Tensor,
+        window: Tensor,
+        compressed: Tensor | None,
+        indices: Tensor | None,
+        meta: StepMeta,
+        sinks: Tensor,
+        scale: float,
+        ratio: int,
+        /,
+    ) -> Tensor: ...
+
+
+class HcPre(Protocol):
+    def __call__(
+        self, h: Tensor, hc: HyperConnection, norm_weight: Tensor, p: HcParams, /
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+class HcPost(Protocol):
+    def __call__(self, out: Tensor, h: Tensor, post: Tensor, comb: Tensor, /) -> Tensor: ...
+
+
+class HcHead(Protocol):
+    def __call__(self, h: Tensor, hc: HyperConnection, norm_weight: Tensor, p: HcParams, /) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class Dsv4Ops:
+    """DeepSeek-V4's op families; contracts: attention/dsv4.py (attention, compressor, indexer, norm +
+    rope + store), attention/step.py (prepare), layers/mhc.py (hc_pre / hc_post / hc_head)."""
+
+    prepare: PrepareStep
+    rope: Rope
+    q_norm_rope: QNormRope
+    kv_norm_rope_store: KvNormRopeStore
+    compressor: Compressor
+    indexer_topk: IndexerTopK
+    sparse_attention: SparseAttention
+    hc_pre: HcPre
+    hc_post: HcPost
+    hc_head: HcHead  # the head's collapse and the model's last norm
+
+
+# ------------------------------------------------------------------ MLA's op families (GLM-4.7-Flash)
+
+
+class MlaPrepare(Protocol):
+    def __call__(self, batch: ForwardBatch, table: Tensor, inv_freq: Tensor, /) -> MlaMeta: ...
+
+
+class QkvSplitNorm(Protocol):
+    def __call__(
+        self,
+        y: Tensor,
+        q_norm: Tensor | None,
+        kv_norm: Tensor,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        eps: float,
+        /,
+    ) -> QkvLatents: ...
+
+
+class MlaStore(Protocol):
+    def __call__(self, cache: Tensor, meta: MlaMeta, kv: Tensor, k_pe: Tensor, /) -> None: ...
+
+
+class MlaAttention(Protocol):
+    def __call__(
+        self, q_nope: Tensor, q_pe: Tensor, cache: Tensor, kv_b: Tensor, meta: MlaMeta, dims: MlaDims, /
+    ) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class MlaOps:
+    """Multi-head latent attention's op families; contracts: attention/mla.py."""
+
+    prepare: MlaPrepare
+    qkv_split_norm: QkvSplitNorm
+    store: MlaStore
+    attention: MlaAttention
+
+
+# ------------------------------------------------------------------ the device
+
+
+class HostCopy(Protocol):
+    """A device tensor on its way to the host."""
+
+    def ready(self) -> bool:
+        """Whether `read` would return at once."""
+        ...
+
+    def read(self, convert: Callable[[Tensor], T]) -> T:
+        """Wait for the copy (the GIL released), then `convert(host tensor)`; the host tensor may be
+        reused once `read` returns."""
+        ...
+
+
+class Stager(Protocol):
+    """The host side of one device tensor's repeated uploads (a graph's static inputs)."""
+
+    def stage(self) -> np.ndarray:
+        """A host buffer of the tensor's shape to fill; `send` then queues its copy."""
+        ...
+
+    def send(self) -> None: ...
+
+
+class Graph(Protocol):
+    """One step captured on the device: `capture(step)` runs it once to warm up, records it and returns
+    its outputs (static: rewritten by every replay); `replay` runs it again on the same inputs."""
+
+    def capture(self, step: Callable[[], T]) -> T: ...
+
+    def replay(self) -> None: ...
+
+
+class Graphs(Protocol):
+    """Makes a device's graphs (those of one device share a memory pool)."""
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def __call__(self, device: torch.device) -> Graph: ...
+
+
+class Transfers(Protocol):
+    """How a step's inputs reach the device and its results come back, never waiting for the device."""
+
+    def upload(self, host: Tensor, device: torch.device) -> Tensor: ...
+
+    def download(self, out: Tensor) -> HostCopy: ...
+
+    def stager(self, dst: Tensor) -> Stager: ...
+
+    def synchronize(self, device: torch.device) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of every op family, and its device's transfers and graphs."""
+
+    name: str
+    linear: Linear
+    rms_norm: RmsNorm
+    gating_top_k: GatingTopK
+    routed_experts: RoutedExperts
+    dsv4: Dsv4Ops
+    mla: MlaOps
+    transfers: Transfers
+    graphs: Graphs | None = None  # None: the backend captures no graphs
+
+
+BACKENDS = {"cpu": "reference", "cuda": "cuda", "npu": "npu"}  # device kind -> module
+
+
+def select(device: str) -> Backend:
+    """The backend of `device` ('cpu', 'cuda', 'cuda:N', 'npu'); a ConfigError if this machine has no
+    such device. 'cuda' imports triton and 'npu' torch_npu (a RuntimeError without them)."""
+    kind = device.split(":")[0]
+    if kind not in DEVICES:
+        raise ConfigError(f"device: {device!r} is not cpu, cuda, cuda:N or npu")
+    module = import_module(f"dsv4serve.backends.{BACKENDS[kind]}")
+    module.check_device(device)
+    backend: Backend = module.backend()
+    return backend

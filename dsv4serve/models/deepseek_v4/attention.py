@@ -1,0 +1,115 @@
+"""DeepSeek-V4 attention over paged pools: sliding window + compressed sparse (ratio 4, with the
+lightning indexer) + heavily compressed, one shared K=V head, per-head sinks.
+
+This is the math of one layer's attention; every pool read and write goes through the backend's op
+families (`Backend.dsv4`), which address the pools through the slot tables. Each query attends over its
+last `W` raw positions (SWA pool) plus compressed entries: the indexer's top-k for ratio 4, every
+visible one for the heavily compressed ratio. Compressed entry j is visible to query t iff
+j < (t + 1) // r.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.attention.step import StepMeta
+from dsv4serve.layers.linear import Weight
+from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+
+if TYPE_CHECKING:
+    from dsv4serve.backends import Backend
+
+
+@dataclass(frozen=True)
+class IndexerWeights:
+    wq_b: Weight  # (Hi*Di, q_lora)
+    weights_proj: torch.Tensor  # (Hi, hidden)
+    compressor: CompressorWeights
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    wq_a: Weight
+    q_norm: torch.Tensor
+    wq_b: Weight
+    wkv: Weight
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor  # (G*o_lora, H*D/G)
+    wo_b: Weight  # (hidden, G*o_lora)
+    sinks: torch.Tensor  # (H,) fp32
+    compressor: CompressorWeights | None
+    indexer: IndexerWeights | None
+
+
+@dataclass(frozen=True)
+class AttentionCache:
+    """One layer's buffers, as flat views (one row per slot); the step's tables address them."""
+
+    window: torch.Tensor  # (slots, D) the sliding window's K=V rows
+    state: torch.Tensor | None  # (slots, 2*coff*D) fp32 compressor state
+    compressed: torch.Tensor | None  # (slots, D) compressed entries
+    index_state: torch.Tensor | None  # (slots, 2*2*Di) fp32 indexer compressor state (ratio 4)
+    index_keys: torch.Tensor | None  # (slots, Di) indexer keys, at the c4 slots
+
+
+def attention_forward(
+    x: torch.Tensor,
+    w: AttentionWeights,
+    cache: AttentionCache,
+    meta: StepMeta,
+    cfg: DeepseekV4Config,
+    ratio: int,
+    ops: Backend,
+) -> torch.Tensor:
+    """x: (T, hidden), already normed -> (T, hidden)."""
+    T, H, D, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    compress, dsv4 = ratio > 0, ops.dsv4  # layers with a compressor use the compress rope throughout
+    q_lora = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)  # (T, q_lora)
+    q = dsv4.q_norm_rope(ops.linear(q_lora, w.wq_b).view(T, H, D), meta, compress, eps)  # (T, H, D)
+    dsv4.kv_norm_rope_store(ops.linear(x, w.wkv), w.kv_norm, cache.window, meta, compress, eps)
+    chosen = None
+    if ratio:
+        assert w.compressor is not None and cache.state is not None and cache.compressed is not None
+        dsv4.compressor(x, w.compressor, cache.state, cache.compressed, meta, ratio, eps)
+        if ratio == 4:
+            assert w.indexer is not None and cache.index_state is not None and cache.index_keys is not None
+            dsv4.compressor(x, w.indexer.compressor, cache.index_state, cache.index_keys, meta, ratio, eps)
+            chosen = _indexer(x, q_lora, w.indexer, cache.index_keys, meta, cfg, ops)
+    out = dsv4.sparse_attention(q, cache.window, cache.compressed, chosen, meta, w.sinks, D**-0.5, ratio)
+    return _grouped_output(out, w, cfg, ops)  # out: (T, H, D), its rope slice rotated back
+
+
+def _indexer(
+    x: torch.Tensor,
+    q_lora: torch.Tensor,
+    w: IndexerWeights,
+    index_keys: torch.Tensor,
+    meta: StepMeta,
+    cfg: DeepseekV4Config,
+    ops: Backend,
+) -> torch.Tensor | None:
+    """The lightning indexer's top `index_topk` visible ratio-4 entries per query: (T, K) int32, -1 = none;
+    None when no query of the step can see more than `index_topk` entries (then it chooses them all)."""
+    if meta.num_entries[4] <= cfg.index_topk:
+        return None
+    T, Hi, Di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
+    qi = ops.dsv4.rope(ops.linear(q_lora, w.wq_b).view(T, Hi, Di), meta, True, False)  # (T, Hi, Di)
+    head_w = ops.linear(x, w.weights_proj).float() * Hi**-0.5  # (T, Hi)
+    return ops.dsv4.indexer_topk(qi, head_w, index_keys, meta, cfg.index_topk, Di**-0.5)
+
+
+def _grouped_output(
+    out: torch.Tensor, w: AttentionWeights, cfg: DeepseekV4Config, ops: Backend
+) -> torch.Tensor:
+    T, G, R = out.shape[0], cfg.o_groups, cfg.o_lora_rank
+    grouped = out.reshape(T, G, -1).transpose(0, 1)  # (G, T, H*D/G), a view
+    wo_a = w.wo_a.view(G, R, -1).transpose(1, 2)  # (G, H*D/G, o_lora)
+    # mixed[t, g] = wo_a[g] @ grouped[t, g] (einsum "tgi,goi->tgo"), the bmm writing straight into
+    # (T, G, o_lora) order: torch copies back itself where a device's bmm takes no strided output
+    mixed = torch.empty(T, G * R, dtype=out.dtype, device=out.device)
+    torch.bmm(grouped, wo_a, out=mixed.view(T, G, R).transpose(0, 1))
+    return ops.linear(mixed, w.wo_b)

@@ -1,0 +1,159 @@
+"""GLM-4.7-Flash: math only. Pre-norm decoder layers over one paged latent pool.
+
+Each layer: MLA attention (`attention/mla.py`), then a dense SwiGLU MLP or a MoE (sigmoid scores in fp32,
+the correction bias used for selection only, grouped top-k, renormalized weights times
+`routed_scaling_factor`, plus the shared expert). The model is built over its weights and the KV cache
+(the `latent` buffer and the `full` table, the names its layout declares: config.py's `kv_layout`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsv4serve.attention.metadata import ForwardBatch
+from dsv4serve.attention.mla import MlaDims, MlaMeta, rope_interleaved, rope_inv_freq
+from dsv4serve.layers.linear import Weight, Weights, plain
+from dsv4serve.models.glm4_moe_lite.config import GlmConfig
+from dsv4serve.moe.experts import swiglu
+
+if TYPE_CHECKING:
+    from dsv4serve.models.spec import ModelContext
+
+ATTN_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm keep the RMSNorm default, not rms_norm_eps
+
+
+def mla_dims(cfg: GlmConfig) -> MlaDims:
+    return MlaDims(
+        num_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        norm_eps=ATTN_NORM_EPS,
+        softmax_scale=(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5,
+    )
+
+
+@dataclass(frozen=True)
+class AttnWeights:
+    qkv_a: Weight  # q_a_proj | kv_a_proj_with_mqa rows (or kv_a_proj_with_mqa alone)
+    q_norm: torch.Tensor | None
+    q_b: Weight  # q_b_proj, or q_proj (applied to the hidden state) when q_lora_rank is None
+    kv_norm: torch.Tensor
+    kv_b: torch.Tensor  # (H * (nope + v), L), read by both attention forms
+    o: Weight
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    gate_up_down: tuple[Weight, Weight, Weight] | None  # dense layers: w1, w2, w3
+    router: torch.Tensor | None  # (E, hidden) fp32
+    bias: torch.Tensor | None  # (E,) fp32, selection only
+    experts: tuple[Weight, Weight, Weight] | None  # stacked w1 (E, I, H), w2 (E, H, I), w3
+    shared: tuple[Weight, Weight, Weight] | None
+
+
+@dataclass(frozen=True)
+class GlmLayer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: AttnWeights
+    mlp: MlpWeights
+
+
+def _layer(w: Weights, cfg: GlmConfig, i: int) -> GlmLayer:
+    a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+    kv_a = plain(w, a + "kv_a_proj_with_mqa.weight")
+    if cfg.q_lora_rank is None:
+        qkv_a, q_norm, q_b = kv_a, None, w[a + "q_proj.weight"]
+    else:
+        qkv_a = torch.cat([plain(w, a + "q_a_proj.weight"), kv_a])
+        q_norm, q_b = plain(w, a + "q_a_layernorm.weight"), w[a + "q_b_proj.weight"]
+    attn = AttnWeights(
+        qkv_a,
+        q_norm,
+        q_b,
+        plain(w, a + "kv_a_layernorm.weight"),
+        plain(w, a + "kv_b_proj.weight"),
+        w[a + "o_proj.weight"],
+    )
+    if cfg.dense_layers[i]:
+        mlp = MlpWeights(_swiglu_weights(w, m), None, None, None, None)
+    else:
+        experts = (w[m + "experts.w1"], w[m + "experts.w2"], w[m + "experts.w3"])
+        shared = _swiglu_weights(w, m + "shared_experts.") if cfg.n_shared_experts else None
+        mlp = MlpWeights(
+            None, plain(w, m + "gate.weight"), plain(w, m + "gate.e_score_correction_bias"), experts, shared
+        )
+    p = f"layers.{i}."
+    return GlmLayer(
+        plain(w, p + "input_layernorm.weight"), plain(w, p + "post_attention_layernorm.weight"), attn, mlp
+    )
+
+
+def _swiglu_weights(w: Weights, p: str) -> tuple[Weight, Weight, Weight]:
+    return w[p + "gate_proj.weight"], w[p + "down_proj.weight"], w[p + "up_proj.weight"]
+
+
+class Glm4MoeLite:
+    """Holds the weights (loaded names: experts stacked) and runs forwards over the latent pool."""
+
+    def __init__(self, cfg: GlmConfig, weights: Weights, ctx: ModelContext) -> None:
+        self.cfg, self.ops, self.dims = cfg, ctx.ops, mla_dims(cfg)
+        self.embed, self.norm = plain(weights, "embed_tokens.weight"), plain(weights, "norm.weight")
+        self.head = self.embed if cfg.tie_word_embeddings else plain(weights, "lm_head.weight")
+        self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
+        self.inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, self.embed.device)
+        self.table = ctx.tables.table("full")  # raw position -> latent slot
+        latent = ctx.cache.flat("latent")
+        self.caches = [latent[i] for i in range(cfg.num_layers)]  # each layer's (slots, L + rope) rows
+
+    def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
+        """Logits (S, vocab) of the sampled tokens, or (T, vocab) for every token if all_logits."""
+        meta = self.ops.mla.prepare(batch, self.table, self.inv_freq)  # all layers
+        x = self.embed[batch.input_ids]  # (T, hidden)
+        eps = self.cfg.rms_norm_eps
+        for layer, cache in zip(self.layers, self.caches, strict=True):
+            x = x + self._attention(self.ops.rms_norm(x, layer.in_norm, eps), layer.attn, cache, meta)
+            x = x + self._mlp(self.ops.rms_norm(x, layer.post_norm, eps), layer.mlp)
+        if not all_logits:
+            x = x[batch.sample_index]
+        return self.ops.linear(self.ops.rms_norm(x, self.norm, eps), self.head)
+
+    def _attention(self, x: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: MlaMeta) -> torch.Tensor:
+        ops, d = self.ops, self.dims
+        lat = ops.mla.qkv_split_norm(
+            ops.linear(x, w.qkv_a), w.q_norm, w.kv_norm, d.q_lora_rank, d.kv_lora_rank, d.norm_eps
+        )
+        q = ops.linear(lat.q if lat.q is not None else x, w.q_b)
+        q = q.view(x.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim)  # (T, H, nope + rope)
+        q_nope, q_pe = (
+            q[..., : d.qk_nope_head_dim],
+            rope_interleaved(q[..., d.qk_nope_head_dim :], meta.cos, meta.sin),
+        )
+        k_pe = rope_interleaved(lat.k_pe, meta.cos, meta.sin)  # (T, rope)
+        ops.mla.store(cache, meta, lat.kv, k_pe)
+        out = ops.mla.attention(q_nope, q_pe, cache, w.kv_b, meta, d)  # (T, H, v)
+        return ops.linear(out.reshape(x.shape[0], -1), w.o)
+
+    def _mlp(self, x: torch.Tensor, w: MlpWeights) -> torch.Tensor:
+        ops, cfg = self.ops, self.cfg
+        if w.gate_up_down is not None:
+            return swiglu(x, *w.gate_up_down, limit=math.inf, matmul=ops.linear)
+        assert w.router is not None and w.experts is not None
+        weights, ids = ops.gating_top_k(
+            torch.nn.functional.linear(x.float(), w.router.float()),  # (T, E) fp32 logits
+            cfg.num_experts_per_tok,
+            bias=w.bias,
+            k_group=cfg.topk_group,
+            group_count=cfg.n_group,
+            group_select_mode=1,
+            norm_type=1,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        return ops.routed_experts(x, weights.to(x.dtype), ids, *w.experts, math.inf, w.shared)
