@@ -57,7 +57,7 @@ from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.deepseek_v4.names import official_weights
 from dsv4serve.models.loader import loaded_schema, storage_dtype
 from dsv4serve.models.registry import config_file
-from dsv4serve.protocol import SamplingSpec, StepItem
+from dsv4serve.protocol import SamplingParams, StepItem
 
 CONFIG = config_file("deepseek-v4-flash")  # the official config, shipped in the package
 REPORT: dict[str, Any] = {}
@@ -269,7 +269,7 @@ def distinct_experts(runner: ModelRunner, core: CoreDriver, rids: list[str]) -> 
             n = core.lengths[rid]
             got = core.alloc.allocate(rid, n, n + 1, core.step)
             locs.append(got)
-            greedy = SamplingSpec(temperature=0.0)
+            greedy = SamplingParams(temperature=0.0)
             token = (core.last[rid],)
             items.append(
                 StepItem(rid=rid, prefix_len=n, token_ids=token, sample=True, sampling=greedy, row=got.row)

@@ -23,22 +23,15 @@ from dsv4serve.actors.system import SystemOptions
 from dsv4serve.config import EngineConfig
 from dsv4serve.demo import default_cache_dir, tiny_checkpoint
 from dsv4serve.http.server import HttpOptions, HttpServer, serve_http
-from dsv4serve.protocol import DoneEvent, Event, SamplingSpec, Submit
+from dsv4serve.protocol import DoneEvent, Event, SamplingParams, Submit
 
 
 async def embedded(server: HttpServer, n: int, max_tokens: int) -> float:
     start = time.perf_counter()
     for i in range(n):
         send, recv = trio.open_memory_channel[Event](math.inf)
-        spec = SamplingSpec(temperature=0)
-        submit = Submit(
-            rid=f"e{i}",
-            prompt=f"request {i}",
-            prompt_token_ids=None,
-            max_tokens=max_tokens,
-            stream=True,
-            sampling=spec,
-        )
+        spec = SamplingParams(temperature=0, max_tokens=max_tokens)
+        submit = Submit(rid=f"e{i}", prompt=f"request {i}", prompt_token_ids=None, params=spec, stream=True)
         server.handle.submit(submit, send)
         async for event in recv:
             if isinstance(event, DoneEvent):

@@ -1,4 +1,4 @@
-"""dsv4serve: an async, actor-based serving microkernel for DeepSeek-V4.
+"""dsv4serve: an async, actor-based serving microkernel for DeepSeek-V4 and GLM-4.7-Flash.
 
     from dsv4serve import Engine, SamplingParams
 
@@ -18,15 +18,15 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from dsv4serve.api import AsyncEngine, Engine
-    from dsv4serve.params import Completion, SamplingParams
-    from dsv4serve.protocol import RequestError, StatsEvent, TokenEvent, TopLogprob
+    from dsv4serve.params import Completion
+    from dsv4serve.protocol import RequestError, SamplingParams, StatsEvent, TokenEvent, TopLogprob
 
 _EXPORTS = MappingProxyType(
     {
         "AsyncEngine": "dsv4serve.api",
         "Completion": "dsv4serve.params",
         "Engine": "dsv4serve.api",
-        "SamplingParams": "dsv4serve.params",
+        "SamplingParams": "dsv4serve.protocol",
         "RequestError": "dsv4serve.protocol",
         "StatsEvent": "dsv4serve.protocol",
         "TokenEvent": "dsv4serve.protocol",

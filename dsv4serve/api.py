@@ -62,34 +62,15 @@ async def _running(options: SystemOptions) -> AsyncIterator[EngineHandle]:
 
 
 class _Configured:
-    """The constructor `AsyncEngine` and `Engine` share; the keywords are EngineConfig's fields.
+    """The constructor `AsyncEngine` and `Engine` share: `model` (a checkpoint directory) and, as
+    keywords, any EngineConfig field (`device="cuda"`, `max_num_seqs=128`, `max_model_len=8192`, ...).
 
     `options` are built (and checked) once; a subclass sets up the rest in `_setup`.
     """
 
     options: SystemOptions
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        device: str = "cpu",
-        dtype: str | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_total_tokens: int = 65536,
-        page_size: int = 128,
-        state_mode: str = "paged",
-        seed: int | None = None,
-        weight_quant: str | None = None,
-        fp4_experts: str = "float",
-        graphs: bool = True,
-    ) -> None:
-        knobs: dict[str, Any] = {"device": device, "dtype": dtype, "max_num_seqs": max_num_seqs}
-        knobs |= {"max_num_batched_tokens": max_num_batched_tokens, "max_total_tokens": max_total_tokens}
-        knobs |= {"page_size": page_size, "state_mode": state_mode, "weight_quant": weight_quant}
-        knobs |= {"graphs": graphs, "fp4_experts": fp4_experts}
-        knobs |= {} if seed is None else {"seed": seed}  # None: EngineConfig's default seed
+    def __init__(self, model: str | Path, **knobs: Any) -> None:
         self.options = system_options(model, EngineConfig(**knobs))
         logs.configure_default()
         self._setup()

@@ -19,9 +19,9 @@ import torch
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory.allocator import KVAllocator, Refusal
-from dsv4serve.protocol import LOOKAHEAD, SamplingSpec, StepItem, StepPlan
+from dsv4serve.protocol import LOOKAHEAD, SamplingParams, StepItem, StepPlan
 
-GREEDY = SamplingSpec(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 TIMED = "core_step"  # the profiler's name for a step's timed part (launch, wait)
 
 

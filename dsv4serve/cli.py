@@ -10,21 +10,14 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 # demo loads trio and the engine (torch) only in the commands that run one
 from dsv4serve import demo
-from dsv4serve.config import (
-    DTYPES,
-    FP4_EXPERTS,
-    QUANTIZE_FORMATS,
-    STATE_MODES,
-    ConfigError,
-    EngineConfig,
-)
+from dsv4serve.config import DTYPES, QUANTIZE_FORMATS, ConfigError, EngineConfig
 from dsv4serve.demo import tiny_checkpoint as tiny_checkpoint  # re-exported: `cli.tiny_checkpoint`
 from dsv4serve.logs import LEVELS
 from dsv4serve.logs import configure as configure_logs
@@ -224,48 +217,29 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
 
 def _engine_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
-    """The flags every engine-running command shares; defaults are EngineConfig's."""
-    d = EngineConfig()
+    """A flag per EngineConfig field (its help text, choices and default); bad values are EngineConfig's
+    to refuse, with a ConfigError naming the field."""
     if model:
         p.add_argument("--model", type=Path, required=True, metavar="DIR", help="model directory")
-    p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or npu")
-    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: float32 on cpu, else bf16")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs, help="most running")
-    p.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens, help="step budget"
-    )
-    p.add_argument("--max-total-tokens", type=_positive_int, default=d.max_total_tokens, help="KV capacity")
-    p.add_argument("--page-size", type=_positive_int, default=d.page_size, help="tokens per page")
-    p.add_argument("--state-mode", choices=STATE_MODES, default=d.state_mode, help="compressor state layout")
-    p.add_argument("--seed", type=int, default=d.seed, help="engine sampling seed")
-    p.add_argument("--weight-quant", choices=("int8",), default=None, help="W8A8 projections at load")
-    p.add_argument(
-        "--fp4-experts", choices=FP4_EXPERTS, default=d.fp4_experts, help="MXFP4 experts: dequantize or int8"
-    )
-    p.add_argument(
-        "--no-graphs", dest="graphs", action="store_false", help="run decode steps eagerly (no CUDA graphs)"
-    )
+    for f in fields(EngineConfig):
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        if f.type == "bool":
+            on = bool(f.default)
+            p.add_argument(
+                f"--no-{flag[2:]}" if on else flag,
+                dest=f.name,
+                action="store_false" if on else "store_true",
+                help=f"{'do not ' if on else ''}{meta['help']}",
+            )
+            continue
+        kind = int if str(f.type).startswith("int") else str
+        p.add_argument(flag, type=kind, choices=meta["choices"], default=f.default, help=meta["help"])
     p.add_argument("--log-level", choices=LEVELS, default="warning", help="stderr log level")
-
-
-ENGINE_FLAGS = (
-    "device",
-    "dtype",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_total_tokens",
-    "page_size",
-    "state_mode",
-    "seed",
-    "weight_quant",
-    "fp4_experts",
-    "graphs",
-)
 
 
 def _engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as keyword arguments of EngineConfig, Engine and AsyncEngine."""
-    return {name: getattr(args, name) for name in ENGINE_FLAGS}
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
 
 
 def _load_model_config(model_dir: Path) -> None:

@@ -1,15 +1,12 @@
-"""Frozen configuration, built once at the boundary.
+"""The engine's knobs (`EngineConfig`, frozen, built once at the boundary) and `ConfigError`.
 
-`ModelConfig` reads a DeepSeek-V4 `config.json` in either spelling (official keys such as
-`compress_ratios` / `num_hash_layers` / `rope_scaling`, or the transformers keys `layer_types` /
-`mlp_layer_types` / `compress_rates` / `rope_parameters` / `partial_rotary_factor`) and gives the same
-result. `EngineConfig` holds the serving knobs. Both raise `ConfigError` naming the offending key.
+A model family's config (its `config.json`) is the family's own (models/<family>/config.py).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,67 +38,51 @@ def read_json_object(file: str | Path) -> dict[str, Any]:
     return raw
 
 
+def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None, positive: bool = False) -> Any:
+    """An EngineConfig field: its default, the help text its command-line flag shows, its choices, and
+    whether an int must be >= 1."""
+    return field(default=default, metadata={"help": help, "choices": choices, "positive": positive})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Serving knobs.
+    """Serving knobs, the one place each is declared: every field is a keyword of `Engine` and
+    `AsyncEngine` and a command-line flag (`max_num_seqs` -> `--max-num-seqs`; a bool that is on by
+    default -> `--no-graphs`), with the help text and default written here. A bad value raises
+    ConfigError naming the field."""
 
-    device: "cpu" | "cuda" | "npu" (optionally "cuda:1").
-    dtype: activation/weight dtype; None picks float32 on the CPU and bfloat16 on accelerators.
-    page_size: tokens per page of every paged pool (NPU kernels want 128).
-    max_num_seqs: most requests running at once (= rows of the per-request tables).
-    max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
-    max_total_tokens: KV capacity in raw tokens (the `full` address space); the compressed pools are
-        sized from it (c4 = /4, c128 = /128), SWA from the window and the step budget.
-    max_model_len: longest request (prompt + output); None = the model's max_position_embeddings,
-        capped at max_total_tokens.
-    state_mode: compressor state layout, "paged" (own allocator, Ascend cache_mode=1) or "ring"
-        (request-scoped rings, cache_mode=2).
-    seed: engine-wide sampling seed used when a request gives none.
-    graphs: capture decode steps as device graphs (CUDA), by batch-size and context buckets.
-    weight_quant: None, or "int8" to quantize the attention and expert projections to W8A8 (dynamic
-        per-token activations, per-channel weights) at load.
-    fp4_experts: what official MXFP4 routed experts become at load: "float" (dequantized to `dtype`,
-        exact) or "int8" (dequantized, then W8A8 per-channel int8).
-    """
-
-    device: str = "cpu"
-    dtype: str | None = None
-    page_size: int = 128
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_total_tokens: int = 65536
-    max_model_len: int | None = None
-    state_mode: str = "paged"
-    seed: int = 0
-    weight_quant: str | None = None
-    fp4_experts: str = "float"
-    graphs: bool = True
+    device: str = knob("cpu", "cpu, cuda, cuda:N or npu")
+    dtype: str | None = knob(
+        None, "activations and weights (default: float32 on cpu, else bfloat16)", choices=DTYPES
+    )
+    page_size: int = knob(128, "tokens per page of every paged pool, a power of two", positive=True)
+    max_num_seqs: int = knob(64, "most requests running at once", positive=True)
+    max_num_batched_tokens: int = knob(2048, "token budget of one step", positive=True)
+    max_total_tokens: int = knob(
+        65536, "KV capacity in raw tokens (every other pool is sized from it)", positive=True
+    )
+    max_model_len: int | None = knob(
+        None,
+        "longest request, prompt + output (default: the model's, capped at max_total_tokens)",
+        positive=True,
+    )
+    state_mode: str = knob(
+        "paged", "compressor state: paged (own allocator) or ring (request-scoped)", choices=STATE_MODES
+    )
+    seed: int = knob(0, "engine sampling seed (for requests that give none)")
+    weight_quant: str | None = knob(None, "quantize the W8A8 projections at load", choices=("int8",))
+    fp4_experts: str = knob(
+        "float", "official MXFP4 experts: dequantized (exact) or as int8", choices=FP4_EXPERTS
+    )
+    graphs: bool = knob(True, "capture decode steps as device graphs (CUDA)")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICES:
+        for f in fields(self):
+            _check_knob(f, getattr(self, f.name))
+        if self.device.split(":")[0] not in DEVICES:
             raise ConfigError(f"device: {self.device!r} is not one of {DEVICES}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ConfigError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_total_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}: expected a positive int, got {value!r}")
         if self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size: {self.page_size} must be a power of two")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 1
-        ):
-            raise ConfigError(f"max_model_len: expected a positive int, got {self.max_model_len!r}")
-        if self.state_mode not in STATE_MODES:
-            raise ConfigError(f"state_mode: {self.state_mode!r} is not one of {STATE_MODES}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed: expected an int, got {self.seed!r}")
-        if not isinstance(self.graphs, bool):
-            raise ConfigError(f"graphs: expected a bool, got {self.graphs!r}")
-        if self.weight_quant not in (None, "int8"):
-            raise ConfigError(f"weight_quant: {self.weight_quant!r} is not None or 'int8'")
-        if self.fp4_experts not in FP4_EXPERTS:
-            raise ConfigError(f"fp4_experts: {self.fp4_experts!r} is not one of {FP4_EXPERTS}")
 
     @property
     def torch_dtype_name(self) -> str:
@@ -115,3 +96,22 @@ class EngineConfig:
 
     def with_(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)
+
+
+_TYPES: dict[str, tuple[type, str]] = {
+    "int": (int, "an int"),
+    "str": (str, "a string"),
+    "bool": (bool, "a bool"),
+}
+
+
+def _check_knob(f: Field[Any], value: Any) -> None:
+    kind, what = _TYPES[str(f.type).removesuffix(" | None")]
+    if value is None and str(f.type).endswith(" | None"):
+        return
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{f.name}: expected {what}, got {value!r}")
+    if f.metadata["positive"] and value < 1:  # type: ignore[operator]
+        raise ConfigError(f"{f.name}: expected a positive int, got {value!r}")
+    if f.metadata["choices"] and value not in f.metadata["choices"]:
+        raise ConfigError(f"{f.name}: {value!r} is not one of {f.metadata['choices']}")

@@ -11,7 +11,7 @@ import json
 import math
 import re
 from array import array
-from typing import Annotated, Literal, TypeAlias, get_args
+from typing import Annotated, Literal, TypeAlias, TypeGuard, get_args
 
 import msgspec
 
@@ -92,33 +92,115 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+# ---------------------------------------------------------------- sampling: one declaration, one validation
+
+
+class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The sampling fields every front door's wire format spells the same way (the embedded API, the
+    stdio `generate` request, OpenAI's bodies: each inherits them). A bad value raises ValueError
+    naming the field, on construction and on decoding (msgspec reports it as a validation error)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off; a top_k at or above the vocabulary size is off too
+    seed: int | None = None  # None: derived from the engine seed and the request id
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        t, p, k, seed = self.temperature, self.top_p, self.top_k, self.seed
+        check_value("temperature", is_number(t) and t >= 0, "a number >= 0", t)
+        check_value("top_p", is_number(p) and 0 < p <= 1, "a number in (0, 1]", p)
+        check_value("top_k", is_int(k) and 0 <= k <= MAX_INT, "an int in [0, 2**63) (0 = off)", k)
+        ok = seed is None or (is_int(seed) and MIN_SEED <= seed <= MAX_SEED)
+        check_value("seed", ok, "an int in [-2**63, 2**63) or null", seed)
+        ids = _as_tuple(self, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        for i, tid in enumerate(ids):
+            check_value(
+                f"stop_token_ids[{i}]", is_int(tid) and 0 <= tid <= MAX_INT, "an int in [0, 2**63)", tid
+            )
+
+
+class SamplingParams(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to sample one request: the one declaration the engine reads (every message of a request
+    carries it). `stop` strings end the request and are cut from the text (a single string is one stop
+    string); `top_logprobs` n > 0 (with `logprobs`) also reports each position's n most likely tokens."""
+
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n, top, most = self.max_tokens, self.top_logprobs, MAX_TOP_LOGPROBS
+        check_value("max_tokens", is_int(n) and 1 <= n <= MAX_INT, "an int in [1, 2**63)", n)
+        check_value("logprobs", isinstance(self.logprobs, bool), "a bool", self.logprobs)
+        check_value("top_logprobs", is_int(top) and 0 <= top <= most, f"an int in [0, {most}]", top)
+        if top and not self.logprobs:
+            raise ValueError(TOP_NEEDS_LOGPROBS)
+        if isinstance(self.stop, str):  # one stop string
+            msgspec.structs.force_setattr(self, "stop", (self.stop,))
+        for i, text in enumerate(_as_tuple(self, "stop", MAX_STOP_STRINGS)):
+            ok = isinstance(text, str) and 0 < len(text) <= MAX_STOP_CHARS and _is_text(text)
+            check_value(f"stop[{i}]", ok, f"a non-empty text of at most {MAX_STOP_CHARS} characters", text)
+
+    @classmethod
+    def of(cls, holder: SamplingParams) -> SamplingParams:
+        """The sampling fields of a struct that inherits them (a stdio `generate` request)."""
+        return cls(**{name: getattr(holder, name) for name in cls.__struct_fields__})
+
+
+def check_value(name: str, ok: bool, expected: str, value: object) -> None:
+    """A ValueError naming the field unless `ok`: `name: expected <expected>, got <value>`."""
+    if not ok:
+        shown = repr(value)
+        raise ValueError(
+            f"{name}: expected {expected}, got {shown if len(shown) <= 60 else shown[:57] + '...'}"
+        )
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[float]:
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _as_tuple(struct: msgspec.Struct, name: str, most: int) -> tuple[object, ...]:
+    """A sequence field as a tuple of at most `most` items (the API may pass a list; a ValueError
+    naming the field otherwise)."""
+    value = getattr(struct, name)
+    if isinstance(value, list):
+        value = tuple(value)
+        msgspec.structs.force_setattr(struct, name, value)
+    check_value(name, isinstance(value, tuple), "a list", value)
+    if len(value) > most:
+        raise ValueError(f"{name}: expected at most {most} items, got {len(value)}")
+    return value
+
+
+# ---------------------------------------------------------------- public: stdio JSON-lines requests
+
+
 class _Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
     pass
 
 
-class Generate(_Request, frozen=True, tag="generate"):
-    """Generate a completion for `prompt` (text) or `prompt_token_ids` (exactly one of them)."""
+class Generate(SamplingParams, frozen=True, tag="generate", tag_field="type"):
+    """Generate a completion for `prompt` (text) or `prompt_token_ids` (exactly one of them), sampled as
+    its `SamplingParams` fields say."""
 
     id: RequestId
     prompt: str | None = None
     prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0  # JSON numbers are finite (1e400 is refused)
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)] = 0  # 0 = no top-k
-    seed: Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)] | None = None
-    stop: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = []
-    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     stream: bool = False
-    logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # needs logprobs
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):
             got = "neither" if self.prompt is None else "both"
             raise ValueError(f"prompt: give exactly one of prompt / prompt_token_ids (got {got})")
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError(TOP_NEEDS_LOGPROBS)
+        super().__post_init__()
 
 
 class Cancel(_Request, frozen=True, tag="cancel"):
@@ -260,7 +342,8 @@ def check_text(name: str, text: str) -> None:
 
 
 def check_submit(req: Submit, vocab_size: int) -> None:
-    """The checks every front door's requests pass before the engine accepts them (RequestError)."""
+    """The checks every front door's requests pass before the engine accepts them (RequestError); its
+    sampling parameters checked themselves when they were made."""
 
     def bad(message: str) -> RequestError:
         return RequestError("invalid_request", message, req.rid if _is_id(req.rid) else None)
@@ -276,17 +359,6 @@ def check_submit(req: Submit, vocab_size: int) -> None:
         if min(ids) < 0 or max(ids) >= vocab_size:  # C-speed scans; the index only on the slow path
             i, tid = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
             raise bad(f"prompt_token_ids[{i}]: {tid} is outside the vocabulary [0, {vocab_size})")
-    if req.max_tokens < 1:
-        raise bad(f"max_tokens: must be >= 1, got {req.max_tokens}")
-    if len(req.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in req.stop):
-        raise bad(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
-    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
-    top = req.sampling.top_logprobs
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-    if top and not req.sampling.logprobs:
-        raise bad(TOP_NEEDS_LOGPROBS)
 
 
 def _is_id(rid: object) -> bool:
@@ -448,15 +520,6 @@ class Drain(_Msg, frozen=True, tag="drain"):
     """Graceful shutdown: finish what is in flight, then close the downstream channels."""
 
 
-class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS, only with logprobs
-
-
 LOOKAHEAD = -1  # the input id of a lookahead decode: the token its request's previous step samples
 
 
@@ -471,7 +534,7 @@ class StepItem(msgspec.Struct, frozen=True, kw_only=True):
     prefix_len: int
     token_ids: tuple[int, ...]
     sample: bool  # False for a prefill chunk that does not reach the prompt's end
-    sampling: SamplingSpec
+    sampling: SamplingParams
     row: int = -1  # the request's row in the per-request tables; -1 until the allocator assigns it
 
     @property
@@ -492,31 +555,17 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
         return sum(len(item.token_ids) for item in self.items)
 
 
-def sampling_of(req: Generate) -> SamplingSpec:
-    return SamplingSpec(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs,
-    )
-
-
 # ---------------------------------------------------------------- internal: tokenizer inbox
 
 
 class Submit(_Msg, frozen=True, tag="submit"):
-    """An accepted `Generate`, handed to the tokenizer (exactly one of prompt / prompt_token_ids)."""
+    """An accepted request, handed to the tokenizer (exactly one of prompt / prompt_token_ids)."""
 
     rid: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...] | None
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    params: SamplingParams = SamplingParams()
     stream: bool = False
-    sampling: SamplingSpec = SamplingSpec()
     echo_prompt: bool = False  # put the prompt's token ids in the DoneEvent (the embedded API wants them)
 
 
@@ -550,16 +599,8 @@ TokenizerMsg: TypeAlias = Submit | Detokenize | FailRequest | CancelRequest | Dr
 
 def submit_of(req: Generate) -> Submit:
     token_ids = None if req.prompt_token_ids is None else tuple(req.prompt_token_ids)
-    return Submit(
-        rid=req.id,
-        prompt=req.prompt,
-        prompt_token_ids=token_ids,
-        max_tokens=req.max_tokens,
-        stop=tuple(req.stop),
-        stop_token_ids=tuple(req.stop_token_ids),
-        stream=req.stream,
-        sampling=sampling_of(req),
-    )
+    params = SamplingParams.of(req)
+    return Submit(rid=req.id, prompt=req.prompt, prompt_token_ids=token_ids, params=params, stream=req.stream)
 
 
 # ---------------------------------------------------------------- internal: scheduler inbox
@@ -568,9 +609,7 @@ def submit_of(req: Generate) -> Submit:
 class Tokenized(_Msg, frozen=True, tag="tokenized"):
     rid: str
     prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    stop_token_ids: tuple[int, ...]
-    sampling: SamplingSpec
+    params: SamplingParams
 
 
 class SampledToken(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,9 +21,9 @@ from dsv4serve.attention.core import topk_lowest_ties
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory.allocator import KVAllocator, Refusal
-from dsv4serve.protocol import SamplingSpec, StepItem, StepPlan
+from dsv4serve.protocol import SamplingParams, StepItem, StepPlan
 
-GREEDY = SamplingSpec(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass

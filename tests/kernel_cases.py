@@ -26,7 +26,7 @@ from dsv4serve.memory.buffers import LayoutBuffers
 from dsv4serve.memory.sizing import engine_pool_sizes
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
-from dsv4serve.protocol import SamplingSpec, StepItem
+from dsv4serve.protocol import SamplingParams, StepItem
 
 DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # where the kernels (and their references) run
 
@@ -151,7 +151,7 @@ def step_item(row: int, prefix: int, ids: Sequence[int], sample: bool = True) ->
         prefix_len=prefix,
         token_ids=tuple(ids),
         sample=sample,
-        sampling=SamplingSpec(),
+        sampling=SamplingParams(),
         row=row,
     )
 

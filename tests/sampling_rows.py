@@ -9,7 +9,7 @@ import torch
 
 from dsv4serve.executor.inputs import SamplingFlags, StepLayout, StepShape, pack
 from dsv4serve.executor.sampling import SamplingBatch
-from dsv4serve.protocol import SamplingSpec, StepItem
+from dsv4serve.protocol import SamplingParams, StepItem
 
 
 def sampling_batch(
@@ -22,7 +22,7 @@ def sampling_batch(
 ) -> SamplingBatch:
     """One sampled row per entry: the request is one token at `position - 1` (it samples `position`)."""
     specs = [
-        SamplingSpec(temperature=t, top_p=p, top_k=k, logprobs=want_logprobs)
+        SamplingParams(temperature=t, top_p=p, top_k=k, logprobs=want_logprobs)
         for t, p, k in zip(temperature, top_p, top_k, strict=True)
     ]
     items = [

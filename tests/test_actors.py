@@ -37,7 +37,7 @@ from dsv4serve.protocol import (
     ExecutorMsg,
     RequestError,
     SampledToken,
-    SamplingSpec,
+    SamplingParams,
     SchedulerMsg,
     StepDone,
     StepItem,
@@ -140,9 +140,20 @@ def submit(
     if prompt is not None and "prompt_token_ids" not in kw:
         prompt, kw["prompt_token_ids"] = None, tuple(letters(prompt))
     kw.setdefault("prompt_token_ids", None)
-    req = Submit(rid=rid, prompt=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    params = params_with(kw.pop("sampling", SamplingParams()), max_tokens=max_tokens, **pop_params(kw))
+    req = Submit(rid=rid, prompt=prompt, params=params, **kw)  # type: ignore[arg-type]
     handle.submit(req, send)
     return recv
+
+
+def params_with(params: SamplingParams, **changes: object) -> SamplingParams:
+    """`params` with some fields changed (checked again)."""
+    return SamplingParams(**{**{f: getattr(params, f) for f in params.__struct_fields__}, **changes})  # type: ignore[arg-type]
+
+
+def pop_params(kw: dict[str, object]) -> dict[str, object]:
+    """The sampling fields among a test's keyword arguments (taken out of them)."""
+    return {name: kw.pop(name) for name in SamplingParams.__struct_fields__ if name in kw}
 
 
 def assert_free(handle: EngineHandle) -> None:
@@ -195,13 +206,7 @@ async def test_credit_rule_never_more_than_k_steps_in_flight(k: int, autojump_cl
             for i in range(6):
                 prompt = tuple(range(3, 13))
                 await to_sched.send(
-                    Tokenized(
-                        rid=f"r{i}",
-                        prompt_token_ids=prompt,
-                        max_tokens=5,
-                        stop_token_ids=(),
-                        sampling=SamplingSpec(),
-                    )
+                    Tokenized(rid=f"r{i}", prompt_token_ids=prompt, params=SamplingParams(max_tokens=5))
                 )
                 await trio.sleep(0.005)
             await to_sched.send(Drain())
@@ -214,7 +219,7 @@ async def test_executor_turns_a_raising_step_into_failed_items(autojump_clock: o
     to_sched, sched_inbox = trio.open_memory_channel[SchedulerMsg](4)
     device = FakeDevice(fail_if=lambda plan: plan.step == 1)
     items = tuple(
-        StepItem(rid=r, prefix_len=0, token_ids=(3, 4), sample=True, sampling=SamplingSpec(), row=n)
+        StepItem(rid=r, prefix_len=0, token_ids=(3, 4), sample=True, sampling=SamplingParams(), row=n)
         for n, r in enumerate("ab")
     )
     async with trio.open_nursery() as nursery:
@@ -371,13 +376,14 @@ async def test_admission_errors(autojump_clock: object) -> None:
             submit(handle, "a")
         assert err.value.code == "duplicate_id" and err.value.id == "a"
         send, _ = trio.open_memory_channel[Event](10)
-        bad_ids = Submit(rid="v", prompt=None, prompt_token_ids=(3, MODEL.vocab_size), max_tokens=2)
+        bad_ids = Submit(rid="v", prompt=None, prompt_token_ids=(3, MODEL.vocab_size))
         with pytest.raises(RequestError) as err:
             handle.submit(bad_ids, send)
         assert err.value.code == "invalid_request" and "prompt_token_ids[1]" in err.value.message
         too_long = submit(handle, "long", "a" * 120, max_tokens=9)
-        bad_stop = submit(handle, "bad-stop", stop=("",))
-        more = [submit(handle, f"m{i}", max_tokens=3) for i in range(3)]
+        with pytest.raises(ValueError, match=r"stop\[0\]"):  # refused before it reaches the engine
+            submit(handle, "bad-stop", stop=("",))
+        more = [submit(handle, f"m{i}", max_tokens=3) for i in range(4)]
         with pytest.raises(RequestError) as err:
             submit(handle, "one-too-many")
         assert err.value.code == "overloaded"
@@ -385,8 +391,6 @@ async def test_admission_errors(autojump_clock: object) -> None:
         assert isinstance(done, DoneEvent) and done.usage.completion_tokens == 10  # the original went on
         error = (await events_of(too_long))[-1]
         assert isinstance(error, ErrorEvent) and error.code == "context_too_long" and error.id == "long"
-        error = (await events_of(bad_stop))[-1]
-        assert isinstance(error, ErrorEvent) and error.code == "invalid_request" and "stop" in error.message
         for recv in more:
             assert isinstance((await events_of(recv))[-1], DoneEvent)
 

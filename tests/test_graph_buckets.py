@@ -17,7 +17,7 @@ from dsv4serve.executor.graphs import (
     context_bucket,
     is_decode,
 )
-from dsv4serve.protocol import LOOKAHEAD, SamplingSpec, StepItem
+from dsv4serve.protocol import LOOKAHEAD, SamplingParams, StepItem
 
 
 def test_context_buckets_follow_live_context_closely() -> None:
@@ -37,7 +37,7 @@ def test_context_buckets_follow_live_context_closely() -> None:
 def test_batch_buckets_and_what_counts_as_a_decode_step() -> None:
     assert batch_bucket(1, 64) == 1 and batch_bucket(5, 64) == 8 and batch_bucket(64, 64) == 64
     assert batch_bucket(65, 64) is None and all(a < b for a, b in itertools.pairwise(BATCH_BUCKETS))
-    spec = SamplingSpec()
+    spec = SamplingParams()
     decode = StepItem(rid="a", prefix_len=5, token_ids=(LOOKAHEAD,), sample=True, sampling=spec)
     chunk = StepItem(rid="b", prefix_len=0, token_ids=(1, 2), sample=True, sampling=spec)
     assert is_decode([decode]) and not is_decode([decode, chunk]) and not is_decode([])
@@ -54,7 +54,7 @@ def test_a_failed_capture_caches_nothing() -> None:
     backend = dataclasses.replace(reference.backend(), graphs=lambda device: FailingGraph())  # type: ignore[arg-type, return-value]
     graphs = DecodeGraphs(lambda batch, params: (batch, params), backend, (), 8, 1024, 0, torch.device("cpu"))  # type: ignore[arg-type, return-value]
     key = GraphKey(1, 256, True, False, False, 0)
-    item = StepItem(rid="a", prefix_len=5, token_ids=(7,), sample=True, sampling=SamplingSpec(), row=0)
+    item = StepItem(rid="a", prefix_len=5, token_ids=(7,), sample=True, sampling=SamplingParams(), row=0)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="capture failed"):
             graphs.launch(key, [item], [1])

@@ -14,7 +14,7 @@ from test_actors import ENGINE, FakeDevice, letters, make_parts
 from dsv4serve import stdio
 from dsv4serve.actors.system import EngineHandle, SystemOptions, run_actors
 from dsv4serve.memory import KVAllocator, Refusal
-from dsv4serve.protocol import CacheLocs, DoneEvent, ErrorEvent, Event, Submit, TokenEvent
+from dsv4serve.protocol import CacheLocs, DoneEvent, ErrorEvent, Event, SamplingParams, Submit, TokenEvent
 
 
 async def test_shutdown_racing_a_terminal_send_still_ends_the_request(autojump_clock: object) -> None:
@@ -28,7 +28,13 @@ async def test_shutdown_racing_a_terminal_send_still_ends_the_request(autojump_c
         opts = SystemOptions(Path("unused"), ENGINE)
         handle: EngineHandle = await nursery.start(run_actors, make_parts(FakeDevice()), opts)
         handle.submit(
-            Submit(rid="a", prompt=None, prompt_token_ids=tuple(letters("abc")), max_tokens=1, stream=True),
+            Submit(
+                rid="a",
+                prompt=None,
+                prompt_token_ids=tuple(letters("abc")),
+                params=SamplingParams(max_tokens=1),
+                stream=True,
+            ),
             send,
         )
         while recv.statistics().tasks_waiting_send == 0:

@@ -12,14 +12,16 @@ import torch
 
 from dsv4serve.executor.inputs import SamplingFlags, StepLayout, StepShape, forward_batch, host_words, pack
 from dsv4serve.executor.sampling import top_k_of
-from dsv4serve.protocol import LOOKAHEAD, SamplingSpec, StepItem
+from dsv4serve.protocol import LOOKAHEAD, SamplingParams, StepItem
 
 RATIOS = (4, 128)
 INT_FIELDS = ("input_ids", "positions", "token_req", "rows", "prefix_lens", "seq_lens", "cu_seqlens")
 
 
 def _item(rng: random.Random, i: int, prefix: int, length: int, sample: bool) -> StepItem:
-    spec = SamplingSpec(temperature=rng.random(), top_p=rng.random() or 1.0, top_k=rng.choice([0, 7, 2**40]))
+    spec = SamplingParams(
+        temperature=rng.random(), top_p=rng.random() or 1.0, top_k=rng.choice([0, 7, 2**40])
+    )
     ids = tuple(rng.randrange(0, 99) for _ in range(length))
     return StepItem(
         rid=f"r{i}", prefix_len=prefix, token_ids=ids, sample=sample, sampling=spec, row=rng.randrange(9)

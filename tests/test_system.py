@@ -16,7 +16,7 @@ from event_helpers import events_of
 from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
 from dsv4serve.config import EngineConfig
 from dsv4serve.models.deepseek_v4.tiny import make_tiny
-from dsv4serve.protocol import DoneEvent, ErrorEvent, Event, RequestError, SamplingSpec, Submit, TokenEvent
+from dsv4serve.protocol import DoneEvent, ErrorEvent, Event, RequestError, SamplingParams, Submit, TokenEvent
 
 ENGINE = EngineConfig(
     device="cpu",
@@ -26,7 +26,7 @@ ENGINE = EngineConfig(
     max_total_tokens=1024,
     max_model_len=96,
 )
-GREEDY = SamplingSpec(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="session")
@@ -47,8 +47,11 @@ async def system(model_dir: Path) -> AsyncIterator[EngineHandle]:
 
 def submit(handle: EngineHandle, rid: str, **kw: object) -> trio.MemoryReceiveChannel[Event]:
     send, recv = trio.open_memory_channel[Event](1000)
-    args: dict[str, object] = {"prompt": None, "prompt_token_ids": None, "max_tokens": 6, "sampling": GREEDY}
-    handle.submit(Submit(rid=rid, **{**args, **kw}), send)  # type: ignore[arg-type]
+    args: dict[str, object] = {"prompt": None, "prompt_token_ids": None, **kw}
+    params = args.pop("sampling", GREEDY)
+    changes = {name: args.pop(name) for name in SamplingParams.__struct_fields__ if name in args}
+    fields = {f: getattr(params, f) for f in SamplingParams.__struct_fields__} | {"max_tokens": 6} | changes
+    handle.submit(Submit(rid=rid, params=SamplingParams(**fields), **args), send)  # type: ignore[arg-type]
     return recv
 
 
@@ -66,7 +69,7 @@ async def test_requests_end_to_end(tiny_dir: Path) -> None:
             "ids-a": submit(handle, "ids-a", prompt_token_ids=tuple(ids), stream=True),
             "ids-b": submit(handle, "ids-b", prompt_token_ids=tuple(ids)),
             "logprobs": submit(
-                handle, "logprobs", prompt_token_ids=(0, 5, 6), sampling=SamplingSpec(logprobs=True)
+                handle, "logprobs", prompt_token_ids=(0, 5, 6), sampling=SamplingParams(logprobs=True)
             ),
             "one": submit(handle, "one", prompt_token_ids=(0, 7), max_tokens=1),
         }

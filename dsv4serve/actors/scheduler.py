@@ -149,7 +149,8 @@ async def run_scheduler(
         async for msg in inbox:
             match msg:
                 case Tokenized():
-                    core.add(msg.rid, msg.prompt_token_ids, msg.max_tokens, msg.stop_token_ids, msg.sampling)
+                    p = msg.params
+                    core.add(msg.rid, msg.prompt_token_ids, p.max_tokens, p.stop_token_ids, p)
                 case CancelRequest(rid=rid):
                     await state.ended_early(core.cancel(rid))
                 case StopHit(rid=rid):

@@ -128,7 +128,7 @@ class _Tokenizer:
 
     async def submit(self, msg: Submit) -> None:
         try:
-            stops = StopMatcher(msg.stop)
+            stops = StopMatcher(msg.params.stop)
         except ValueError as exc:  # TokenizerError: its message names `stop`
             await self.fail(msg.rid, "invalid_request", str(exc))
             return
@@ -151,8 +151,8 @@ class _Tokenizer:
         except Exception as exc:  # a tokenizer fault: contained to this request
             await self.fault(msg.rid, "encode_failed", exc)
             return
-        if len(ids) + msg.max_tokens > self.max_model_len:
-            why = f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) > max_model_len"
+        if len(ids) + msg.params.max_tokens > self.max_model_len:
+            why = f"prompt ({len(ids)} tokens) + max_tokens ({msg.params.max_tokens}) > max_model_len"
             await self.fail(msg.rid, "context_too_long", f"{why} ({self.max_model_len})")
             return
         try:
@@ -160,18 +160,11 @@ class _Tokenizer:
         except Exception as exc:
             await self.fault(msg.rid, "detokenize_failed", exc)
             return
-        spec = msg.sampling
+        spec = msg.params
         self.outputs[msg.rid] = _Output(
             ids, msg.echo_prompt, msg.stream, spec.logprobs, spec.top_logprobs > 0, detok, stops
         )
-        tokenized = Tokenized(
-            rid=msg.rid,
-            prompt_token_ids=ids,
-            max_tokens=msg.max_tokens,
-            stop_token_ids=msg.stop_token_ids,
-            sampling=msg.sampling,
-        )
-        await self.scheduler.send(tokenized)
+        await self.scheduler.send(Tokenized(rid=msg.rid, prompt_token_ids=ids, params=spec))
 
     async def tokens(self, msg: Detokenize) -> None:
         out = self.outputs.get(msg.rid)

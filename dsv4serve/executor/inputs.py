@@ -14,15 +14,15 @@ the forward and the sampler read: views, no further copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch, WindowMeta
-from dsv4serve.executor.sampling import MASK32, SamplingBatch, top_k_of
+from dsv4serve.executor.sampling import MASK32, TOP_K_OFF, SamplingBatch
 from dsv4serve.protocol import StepItem
 
 BATCH_FIELDS = ("input_ids", "positions", "token_req", "rows", "prefix_lens", "seq_lens", "cu_seqlens")
@@ -113,52 +113,86 @@ def pack(
     items: Sequence[StepItem], seeds: Sequence[int], layout: StepLayout, out: np.ndarray, pad_row: int
 ) -> None:
     """Write the step's words into `out` (int64, `layout.num_words`): the items' fields as the eager
-    step has them, then padding up to the layout's sizes. `seeds`: one per item that samples."""
+    step has them, then padding up to the layout's sizes. `seeds`: one per item that samples.
+
+    A step of one-token requests (decodes) is built in Python lists (numpy's per-call cost dominated
+    at a few requests), any other in numpy (a prefill's thousands of tokens and windows)."""
     shape, n = layout.shape, len(items)
     pads = shape.requests - n
-    lengths = np.fromiter(chain((len(i.token_ids) for i in items), [1] * pads), np.int64, n + pads)
-    prefix = np.fromiter(chain((i.prefix_len for i in items), [0] * pads), np.int64, n + pads)
-    sample = np.fromiter(chain((i.sample for i in items), [True] * pads), bool, n + pads)
-    seq = prefix + lengths
-    cu = np.zeros(n + pads + 1, np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    req = np.arange(n + pads, dtype=np.int64)
+    prefix = [*(i.prefix_len for i in items), *[0] * pads]
+    lengths = [*(len(i.token_ids) for i in items), *[1] * pads]
+    seq = [p + length for p, length in zip(prefix, lengths, strict=True)]
+    cu = [0, *accumulate(lengths)]
+    sample = [*(i.sample for i in items), *[True] * pads]
+    assert cu[-1] == shape.tokens and sum(sample) == shape.samples, (shape, n)
     ids = chain(chain.from_iterable(i.token_ids for i in items), [0] * pads)
-    assert int(cu[-1]) == shape.tokens and int(sample.sum()) == shape.samples, (shape, n)
-
-    def put(name: str, values: object) -> None:
+    fields = _decode_fields if all(length == 1 for length in lengths) else _batch_fields
+    for name, values in fields(ids, prefix, lengths, seq, layout).items():
         layout.put(out, name, values)
+    layout.put(out, "rows", [*(i.row for i in items), *[pad_row] * pads])
+    layout.put(out, "prefix_lens", prefix)
+    layout.put(out, "seq_lens", seq)
+    layout.put(out, "cu_seqlens", cu)
+    layout.put(out, "sample_index", [end - 1 for end, s in zip(cu[1:], sample, strict=True) if s])
+    _pack_sampling(items, seeds, [q for q, s in zip(seq, sample, strict=True) if s], layout, out, pads)
 
-    put("input_ids", np.fromiter(ids, np.int64, int(cu[-1])))
-    put("positions", np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1] - prefix, lengths))
-    put("token_req", np.repeat(req, lengths))
-    put("rows", [*(i.row for i in items), *[pad_row] * pads])
-    put("prefix_lens", prefix)
-    put("seq_lens", seq)
-    put("cu_seqlens", cu)
-    put("sample_index", (cu[1:] - 1)[sample])
-    for r, nw in zip(layout.ratios, shape.windows, strict=True):  # windows [prefix // r, seq // r) close
-        first, closing = prefix // r, seq // r - prefix // r
+
+Fields = dict[str, "Sequence[int] | np.ndarray"]
+
+
+def _decode_fields(
+    ids: Iterable[int], prefix: list[int], lengths: list[int], seq: list[int], layout: StepLayout
+) -> Fields:
+    """Per-token fields and closing windows of one-token requests, in Python lists."""
+    out: Fields = {"input_ids": list(ids), "positions": prefix, "token_req": range(len(prefix))}
+    for r, nw in zip(layout.ratios, layout.shape.windows, strict=True):  # token q-1 closes window q//r-1
+        closing = [(j, q // r - 1) for j, q in enumerate(seq) if q % r == 0]
+        out[f"win_req{r}"] = [*(j for j, _ in closing), *range(nw - len(closing))]
+        out[f"win_index{r}"] = [*(k for _, k in closing), *[-1] * (nw - len(closing))]
+    return out
+
+
+def _batch_fields(
+    ids: Iterable[int], prefix: list[int], lengths: list[int], seq: list[int], layout: StepLayout
+) -> Fields:
+    """Per-token fields and closing windows of any step, in numpy."""
+    counts, first = np.array(lengths, dtype=np.int64), np.array(prefix, dtype=np.int64)
+    cu = np.cumsum(counts) - counts  # each request's first token
+    req = np.arange(len(lengths), dtype=np.int64)
+    tokens = int(counts.sum())
+    out: Fields = {
+        "input_ids": np.fromiter(ids, np.int64, tokens),
+        "positions": np.arange(tokens, dtype=np.int64) - np.repeat(cu - first, counts),
+        "token_req": np.repeat(req, counts),
+    }
+    for r, nw in zip(layout.ratios, layout.shape.windows, strict=True):  # windows [prefix // r, seq // r)
+        start, closing = first // r, np.array(seq, dtype=np.int64) // r - first // r
         total = int(closing.sum())
-        starts = np.cumsum(closing) - closing - first  # window index - its entry's position
-        put(f"win_req{r}", np.concatenate([np.repeat(req, closing), np.arange(nw - total)]))
-        index = np.arange(total, dtype=np.int64) - np.repeat(starts, closing)
-        put(f"win_index{r}", np.concatenate([index, np.full(nw - total, -1, np.int64)]))
-    _pack_sampling(items, seeds, layout, out, pads)
+        offset = np.cumsum(closing) - closing - start  # each window's entry - its index
+        out[f"win_req{r}"] = np.concatenate([np.repeat(req, closing), np.arange(nw - total)])
+        index = np.arange(total, dtype=np.int64) - np.repeat(offset, closing)
+        out[f"win_index{r}"] = np.concatenate([index, np.full(nw - total, -1, np.int64)])
+    return out
 
 
 def _pack_sampling(
-    items: Sequence[StepItem], seeds: Sequence[int], layout: StepLayout, out: np.ndarray, pads: int
+    items: Sequence[StepItem],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+    layout: StepLayout,
+    out: np.ndarray,
+    pads: int,
 ) -> None:
-    """The sampled rows (items that sample, then padding: greedy, position 1)."""
-    sampled = [i for i in items if i.sample]
-    layout.put(out, "top_k", [*(top_k_of(i.sampling.top_k) for i in sampled), *[0] * pads])
+    """The sampled rows (items that sample, then padding: greedy, position 1); `positions`: each row's
+    position, the sequence length after the step."""
+    specs = [i.sampling for i in items if i.sample]
+    layout.put(out, "top_k", [*(min(s.top_k, TOP_K_OFF) for s in specs), *[0] * pads])
     layout.put(out, "seed", [*(s & MASK32 for s in seeds), *[0] * pads])
-    layout.put(out, "sample_pos", [*(i.seq_len for i in sampled), *[1] * pads])
+    layout.put(out, "sample_pos", positions)
     floats = out[layout.num_ints :].view(np.float32)
     S = layout.shape.samples
-    floats[:S] = [*(i.sampling.temperature for i in sampled), *[0.0] * pads]
-    floats[S:] = [*(i.sampling.top_p for i in sampled), *[1.0] * pads]
+    floats[:S] = [*(s.temperature for s in specs), *[0.0] * pads]
+    floats[S:] = [*(s.top_p for s in specs), *[1.0] * pads]
 
 
 def host_words(

@@ -32,7 +32,7 @@ from dsv4serve.http.asgi import (
 from dsv4serve.http.generation import Generation, http_error
 from dsv4serve.http.metrics import CONTENT_TYPE, Metrics
 from dsv4serve.http.streams import ChatStream, CompletionStream, Stream
-from dsv4serve.protocol import TOP_NEEDS_LOGPROBS, DoneEvent, ErrorEvent, SamplingSpec, Submit
+from dsv4serve.protocol import DoneEvent, ErrorEvent, SamplingFields, SamplingParams, Submit
 
 DEFAULT_CHAT_MAX_TOKENS = 1024
 MAX_BODY_BYTES = 64 << 20
@@ -135,8 +135,6 @@ class OpenAIApp:
 
     async def _chat(self, scope: Scope, receive: Receive, out: Responder) -> None:
         req = await self._read(scope, receive, s.ChatRequest)
-        if req.top_logprobs and not req.logprobs:
-            raise HttpError(400, TOP_NEEDS_LOGPROBS, "invalid_request", "top_logprobs")
         prompt = ChatPrompt(
             messages=tuple(req.messages),
             tools=tuple(req.tools or ()),
@@ -244,24 +242,14 @@ def _submit(
     top_logprobs: int,
 ) -> Submit:
     """One choice's engine request; choice j of a seeded request gets seed + j (choices differ)."""
+    shared = {name: getattr(req, name) for name in SamplingFields.__struct_fields__}
     seed = None if req.seed is None else req.seed + j
-    spec = SamplingSpec(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=seed,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-    )
-    return Submit(
-        rid=rid,
-        prompt=text,
-        prompt_token_ids=ids,
-        max_tokens=max_tokens,
-        stop=req.stops,
-        stream=req.stream,
-        sampling=spec,
-    )
+    fields = {"max_tokens": max_tokens, "stop": req.stops, "logprobs": logprobs, "top_logprobs": top_logprobs}
+    try:
+        params = SamplingParams(**{**shared, "seed": seed, **fields})
+    except ValueError as err:
+        raise HttpError(400, str(err), "invalid_request", str(err).split(":")[0]) from None
+    return Submit(rid=rid, prompt=text, prompt_token_ids=ids, params=params, stream=req.stream)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -1,8 +1,10 @@
 """OpenAI's request and response bodies (the subset served), as msgspec Structs.
 
 Requests are decoded strictly: unknown top-level fields and out-of-range values are refused with a
-message naming the field (the bounds are the stdio `generate` request's). Responses encode with
-`omit_defaults`, so a streamed delta carries only what changed.
+message naming the field. The sampling fields every door spells alike come from `SamplingFields`
+(protocol.py: declared and checked once); those OpenAI spells its own way (`stop`, `max_tokens`,
+`logprobs`) are mapped onto `SamplingParams` by the app. Responses encode with `omit_defaults`, so a
+streamed delta carries only what changed.
 """
 
 from __future__ import annotations
@@ -13,12 +15,9 @@ from typing import Annotated, Any, Literal, TypeAlias
 import msgspec
 
 from dsv4serve.chat.messages import ChatMessage, ToolChoice, ToolSpec
-from dsv4serve.protocol import MAX_TOP_LOGPROBS, TokenId
+from dsv4serve.protocol import MAX_TOP_LOGPROBS, SamplingFields, TokenId
 
 MAX_N = 16  # choices per request
-Temperature = Annotated[float, msgspec.Meta(ge=0)]
-TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
-TopK = Annotated[int, msgspec.Meta(ge=0)]  # 0 = off (an extension, as in vLLM)
 MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
 N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 StopText = Annotated[str, msgspec.Meta(min_length=1)]
@@ -34,13 +33,9 @@ class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _Sampling(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str
     n: N = 1
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = 0
-    seed: int | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -211,6 +206,7 @@ class ErrorResponse(msgspec.Struct, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- decoding
 
 _AT_PATH = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
+_CHECKED = re.compile(r"^(?P<name>[a-z_]+): ")
 _FIELD = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<name>[^`]*)`$")
 
 
@@ -242,4 +238,6 @@ def _explain(error: str) -> BadBody:
         what = "required" if "missing" in reason else "unknown field"
         param = f"{path}.{named['name']}" if path else named["name"]
         return BadBody(f"{param}: {what}", param)
+    if not path and (checked := _CHECKED.match(reason)):  # a sampling field's own check names it
+        return BadBody(reason, checked["name"])
     return BadBody(f"{path}: {reason}" if path else reason, path or None)

@@ -46,7 +46,7 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dsv4serve.protocol import LOOKAHEAD, SampledToken, SamplingSpec, StepItem, StepPlan
+from dsv4serve.protocol import LOOKAHEAD, SampledToken, SamplingParams, StepItem, StepPlan
 from dsv4serve.scheduler.request import (
     CancelOutcome,
     CancelStatus,
@@ -133,7 +133,7 @@ class SchedulerCore:
         prompt_token_ids: Sequence[int],
         max_tokens: int,
         stop_token_ids: Iterable[int] = (),
-        sampling: SamplingSpec | None = None,
+        sampling: SamplingParams | None = None,
     ) -> None:
         """Queue a validated request (1 <= prompt length <= max_model_len, max_tokens >= 1)."""
         assert rid not in self._requests, f"duplicate rid {rid!r}"
@@ -145,7 +145,7 @@ class SchedulerCore:
             all_token_ids=list(prompt_token_ids),
             max_tokens=max_tokens,
             stop_token_ids=self.eos_token_ids.union(stop_token_ids),
-            sampling=sampling or SamplingSpec(),
+            sampling=sampling or SamplingParams(),
         )
         self._num_arrivals += 1
         self._requests[rid] = req

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-from dsv4serve.protocol import SampledToken, SamplingSpec, StepItem
+from dsv4serve.protocol import SampledToken, SamplingParams, StepItem
 
 # The protocol's FinishReason plus "error" (the actor answers those with FailRequest, not done).
 EndReason: TypeAlias = Literal["stop", "length", "cancelled", "error"]
@@ -82,7 +82,7 @@ class Request:
     all_token_ids: list[int]
     max_tokens: int
     stop_token_ids: frozenset[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     state: RequestState = RequestState.WAITING
     num_computed: int = 0
     num_preemptions: int = 0
