@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -29,6 +30,7 @@ from dsv4serve.protocol import RequestError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+EXIT_PIPE = 141  # 128 + SIGPIPE, as shells report a writer whose reader went away
 
 
 class UsageError(Exception):
@@ -48,6 +50,26 @@ class Command:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a reader that closes stdout early (`| head`) ends it quietly."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is seen while it can still be handled
+        return code
+    except (BrokenPipeError, BaseExceptionGroup) as exc:
+        if not _only(exc, BrokenPipeError):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return EXIT_PIPE
+
+
+def _only(exc: BaseException, kind: type[BaseException]) -> bool:
+    """Whether `exc` is a `kind`, or a group (from trio) of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only(e, kind) for e in exc.exceptions)
+    return isinstance(exc, kind)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
@@ -62,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except (Exception, BaseExceptionGroup) as exc:  # re-raised unless it is a user error
         user_error = _user_error(exc)
-        if user_error is None:
+        if user_error is None or _only(exc, BrokenPipeError):
             raise
         print(f"dsv4serve {args.command}: error: {user_error}".replace("\n", " "), file=sys.stderr)
         return EXIT_USAGE

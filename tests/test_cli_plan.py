@@ -144,3 +144,32 @@ def test_make_tiny_calls_the_tiny_module(
     assert cli.main(["make-tiny", str(tmp_path / "m"), "--seed", "7"]) == 0
     assert calls == [(tmp_path / "m", 7)]
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")
+
+
+def test_error_paths_and_plan_load_neither_torch_nor_transformers() -> None:
+    """What keeps `plan` and a bad command line fast (a second, not five): nothing heavy is imported."""
+    code = (
+        "import sys; from dsv4serve import cli\n"
+        "assert cli.main(['plan', '--config', '/no/such/config.json']) == 2\n"
+        "assert cli.main(['plan', '--model', '/no/such/dir']) == 2\n"
+        "assert cli.main(['plan', '--config', 'glm-4.7-flash', '--json']) == 0\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'trio') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(
+    "argv", [[*ACCEPTANCE, "--json"], ACCEPTANCE, ["--help"], ["serve", "--help"], ["plan", "--config", "x"]]
+)
+def test_a_closed_stdout_ends_quietly(argv: list[str]) -> None:
+    """`dsv4serve ... | head -c 10`: the reader goes away; no traceback, the shell's SIGPIPE status."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv4serve", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 2, cli.EXIT_PIPE)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -8,7 +8,6 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4serve.actors.tokenizer_core import render_chat
 from dsv4serve.chat.messages import (
     ChatMessage,
     ChatPrompt,
@@ -21,6 +20,7 @@ from dsv4serve.chat.messages import (
 )
 from dsv4serve.models.deepseek_v4.chat import ChatError, render, render_tool_calls
 from dsv4serve.models.deepseek_v4.dsml import MARKERS, Content, DSMLParser, Reasoning, collect, parse_output
+from tests.dsv4_chat_oracle import render_chat
 
 HYPOTHESIS = settings(deadline=None, max_examples=150)
 # text with the characters that matter: tag starts, quotes, escapes, newlines, wide characters

@@ -1,8 +1,8 @@
 """Official MXFP4 routed experts and compressed-tensors W8A8 int8 checkpoints.
 
-Each checkpoint is written here from the documented layout (reference/checkpoint_formats.md §4.2,
-reference/torch_npu_ops.md §4.8): the packed bytes, scales and config are built by this file's own
-code from the spec, not by the code that reads them.
+Each checkpoint is written here from the documented layouts (DeepSeek-V4's official checkpoint:
+MXFP4 experts, FP8 blocks; compressed-tensors' int-quantized format): the packed bytes, scales and
+config are built by this file's own code from the spec, not by the code that reads them.
 """
 
 from __future__ import annotations

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from memory_fixtures import TINY, P, tiny_engine, tiny_model_dict
 
@@ -14,7 +12,6 @@ from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.registry import config_from_json_file
 from dsv4serve.protocol import CacheLocs
 
-FLASH_CONFIG = Path(__file__).resolve().parents[2] / "shared/fixtures/configs/deepseek_v4_flash.config.json"
 ENGINE = tiny_engine(max_num_seqs=4, max_total_tokens=256)
 
 
@@ -175,7 +172,7 @@ def test_pools_for_missing_ratios_stay_empty() -> None:
 
 
 def test_flash_state_pool_sizes() -> None:
-    flash = config_from_json_file(FLASH_CONFIG)
+    flash = config_from_json_file("deepseek-v4-flash")  # the official config, shipped in the package
     engine = EngineConfig(page_size=128, max_num_seqs=64, max_total_tokens=1 << 20)
     sizes = engine_pool_sizes(flash, engine)
     assert (sizes.c4_state * 128, sizes.c128_state * 128) == (16384, 24576)

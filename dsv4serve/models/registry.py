@@ -54,8 +54,11 @@ def official_configs() -> dict[str, Path]:
 
 
 def config_file(name_or_path: str | Path) -> Path:
-    """An official config's file by its name, else the path itself."""
-    return official_configs().get(str(name_or_path), Path(name_or_path))
+    """An official config's file by its name (`deepseek-v4-flash`), else the path itself."""
+    text = str(name_or_path)
+    if "/" in text or text.endswith(".json"):
+        return Path(text)
+    return official_configs().get(text, Path(text))
 
 
 def config_from_json_file(file: str | Path) -> ServedModelConfig:

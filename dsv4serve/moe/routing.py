@@ -35,7 +35,7 @@ def gating_top_k(
     eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of `torch_npu.npu_moe_gating_top_k` on router logits x (T, E) (its reference,
-    shared/reference/torch_npu_ops.md 1.1): (weights (T, k) in x's dtype, expert ids (T, k) int32).
+    op-plugin doc torch_npu-npu_moe_gating_top_k.md): (weights (T, k) in x's dtype, expert ids (T, k) int32).
 
     Scores s = norm_type's function of x (0 softmax, 1 sigmoid, 2 sqrtsoftplus); `bias` shifts the
     selection only, in fp32. Hash routing (`input_ids` + `tid2eid`) takes the table's experts.

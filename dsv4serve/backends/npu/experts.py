@@ -1,7 +1,7 @@
 """Routed experts on Ascend through torch_npu (the `npu` backend's `routed_experts`).
 
 Written against the documented torch_npu API (op-plugin docs `torch_npu-npu_grouped_matmul.md`,
-`torch_npu-npu_dynamic_quant.md`; shared/reference/torch_npu_ops.md sections 4.1, 4.2, 4.5 for
+`torch_npu-npu_dynamic_quant.md`, and vllm-ascend's op documentation for
 `npu_moe_init_routing_v2` and `npu_moe_token_unpermute`). **This code has never run on an Ascend
 NPU**; the tests check its plumbing against a fake `torch_npu` that implements the documented
 semantics in plain PyTorch.

@@ -1,7 +1,7 @@
 """The W8A8 linear on Ascend through torch_npu (the `npu` backend's `linear`).
 
 Written against the documented torch_npu API (op-plugin docs `torch_npu-npu_dynamic_quant.md`,
-`torch_npu-npu_quant_matmul.md`; summary in shared/reference/torch_npu_ops.md sections 4.1, 4.7).
+`torch_npu-npu_quant_matmul.md`).
 **This code has never run on an Ascend NPU**; the tests check its argument plumbing against a fake
 `torch_npu` that implements the documented semantics in plain PyTorch.
 """

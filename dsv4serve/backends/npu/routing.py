@@ -1,8 +1,8 @@
 """The router on Ascend: `torch_npu.npu_moe_gating_top_k` behind the contract of `routing.gating_top_k`.
 
-Written against the documented op (shared/reference/torch_npu_ops.md 1.1); **never run on an Ascend
-NPU**. The op is feature-checked (older builds lack it) and its documented constraints are checked
-before the call (E <= 2048, E % group_count == 0, E / group_count > 2, k <= k_group * E /
+Written against the documented op (op-plugin doc `torch_npu-npu_moe_gating_top_k.md`); **never run
+on an Ascend NPU**. The op is feature-checked (older builds lack it) and its documented constraints are
+checked before the call (E <= 2048, E % group_count == 0, E / group_count > 2, k <= k_group * E /
 group_count, hash routing only with input_ids and tid2eid on builds that take them); anything else
 takes the reference. Unset options (None) are left out of the call (older builds lack `input_ids`
 and `tid2eid`). The op scores in fp32 whatever x's dtype: on bf16 logits (DSV4's) its weights and,
