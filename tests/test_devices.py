@@ -60,7 +60,7 @@ def test_pending_step_waits_once_and_returns_its_result_again() -> None:
     from dsv4serve.executor.runner import PendingStep
 
     out = torch.tensor([[5.0], [-0.25]], dtype=torch.float64, device="cuda")  # (2 + 2k, S) with k = 0
-    pending = PendingStep.of((), out[:, :0], None)
+    pending = PendingStep.of((), out[:, :0], None, devices.CudaTransfers())
     assert pending.wait() is pending.wait()  # the second call does not read the (given back) buffer again
 
 
@@ -76,11 +76,11 @@ def test_buffers_made_inside_inference_mode_serve_copies_outside_it() -> None:
         ring = devices._PinnedRing(torch.device("cuda", torch.cuda.current_device()))
     pool.give(made_inside, event)
     out = torch.tensor([[5.0], [-0.25]], dtype=torch.float64, device="cuda")
-    pending = PendingStep.of((), out, None)  # outside inference mode, into the buffer made inside it
-    assert pending.host is made_inside
+    pending = PendingStep.of((), out, None, devices.CudaTransfers())  # outside inference mode, into it
+    assert isinstance(pending.copy, devices._PinnedCopy) and pending.copy.host is made_inside
     first = ring.send(torch.arange(4))  # outside inference mode, into slots made inside it
     with torch.inference_mode():
         second = ring.send(torch.arange(4) * 2)
     torch.cuda.synchronize()
     assert torch.equal(first.cpu(), torch.arange(4)) and torch.equal(second.cpu(), torch.arange(4) * 2)
-    assert torch.equal(pending.host, out.cpu())
+    assert torch.equal(pending.copy.host, out.cpu())

@@ -1,5 +1,5 @@
-"""Triton GEMMs (float and W8A8 int8, split-K and not) and row quantization against quant.py
-(interpreter on CPU)."""
+"""Triton GEMMs (float and W8A8 int8, split-K and not) and row quantization against the reference
+(`layers/linear.py`; interpreter on CPU)."""
 
 from __future__ import annotations
 

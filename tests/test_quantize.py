@@ -189,7 +189,8 @@ def _prompt_logits(model_dir: Path, **engine: Any) -> list[torch.Tensor]:
 
 def test_int8_accuracy_against_float(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`make_tiny(seed=0)` (hidden 64, 5 layers, 8 experts, vocab 129280) quantized by `quantize`,
-    against its float logits at 112 prompt positions (README, "Quantized checkpoints")."""
+    against its float logits at 112 prompt positions (benchmarks/RESULTS.md, "Quantized checkpoints
+    against the float model")."""
     ref = _prompt_logits(tiny_model_dir)
     figures = {
         fmt: logit_metrics(

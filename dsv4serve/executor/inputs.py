@@ -27,6 +27,8 @@ from dsv4serve.protocol import StepItem
 
 BATCH_FIELDS = ("input_ids", "positions", "token_req", "rows", "prefix_lens", "seq_lens", "cu_seqlens")
 SAMPLE_FIELDS = ("sample_index", "top_k", "seed", "sample_pos")
+# the fields a decode step writes per item, in `_pack_decodes`' order (each B words long in its layout)
+DECODE_COLUMNS = ("input_ids", "positions", "rows", "prefix_lens", "seq_lens", "top_k", "seed", "sample_pos")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +69,24 @@ class StepLayout:
             offset += size
         self.num_ints = offset
         self.num_words = offset + S  # + temperature and top_p: 2 * S float32
+        self._template: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.is_decode = shape == StepShape.decode(B, len(self.ratios))  # a graph's: filled many times
 
     def put(self, out: np.ndarray, name: str, values: object) -> None:
         out[self.slices[name]] = values
+
+    def decode_template(self, pad_row: int) -> tuple[np.ndarray, np.ndarray]:
+        """The words of a step of padding only (`pack` of no items, the general path), which a decode
+        step's items then overwrite, and the word index of each of their columns (`DECODE_COLUMNS`,
+        one row each): both cached."""
+        if self._template is None or self._template[0] != pad_row:
+            words = np.empty(self.num_words, dtype=np.int64)
+            pack((), (), self, words, pad_row)
+            columns = np.array(
+                [range(self.slices[name].start, self.slices[name].stop) for name in DECODE_COLUMNS]
+            )
+            self._template = (pad_row, words, columns)
+        return self._template[1], self._template[2]
 
     def views(
         self, words: torch.Tensor, max_seq_len: int, flags: SamplingFlags
@@ -115,9 +132,15 @@ def pack(
     """Write the step's words into `out` (int64, `layout.num_words`): the items' fields as the eager
     step has them, then padding up to the layout's sizes. `seeds`: one per item that samples.
 
-    A step of one-token requests (decodes) is built in Python lists (numpy's per-call cost dominated
-    at a few requests), any other in numpy (a prefill's thousands of tokens and windows)."""
-    shape, n = layout.shape, len(items)
+    One-token requests that all sample, into a decode graph's layout (filled again every step), fill
+    a cached template of its padding, then write their columns (numpy's per-call cost dominated at a
+    few requests); any other step is built in numpy field by field (a prefill's thousands of tokens
+    and windows)."""
+    shape = layout.shape
+    if items and layout.is_decode and all(len(i.token_ids) == 1 and i.sample for i in items):
+        _pack_decodes(items, seeds, layout, out, pad_row)
+        return
+    n = len(items)
     pads = shape.requests - n
     prefix = [*(i.prefix_len for i in items), *[0] * pads]
     lengths = [*(len(i.token_ids) for i in items), *[1] * pads]
@@ -126,8 +149,7 @@ def pack(
     sample = [*(i.sample for i in items), *[True] * pads]
     assert cu[-1] == shape.tokens and sum(sample) == shape.samples, (shape, n)
     ids = chain(chain.from_iterable(i.token_ids for i in items), [0] * pads)
-    fields = _decode_fields if all(length == 1 for length in lengths) else _batch_fields
-    for name, values in fields(ids, prefix, lengths, seq, layout).items():
+    for name, values in _batch_fields(ids, prefix, lengths, seq, layout).items():
         layout.put(out, name, values)
     layout.put(out, "rows", [*(i.row for i in items), *[pad_row] * pads])
     layout.put(out, "prefix_lens", prefix)
@@ -137,19 +159,37 @@ def pack(
     _pack_sampling(items, seeds, [q for q, s in zip(seq, sample, strict=True) if s], layout, out, pads)
 
 
+def _pack_decodes(
+    items: Sequence[StepItem], seeds: Sequence[int], layout: StepLayout, out: np.ndarray, pad_row: int
+) -> None:
+    """`pack` of one-token requests that all sample: the layout's padding template, then the items'
+    columns in one indexed write, then their closing windows (first, as the eager step has them; the
+    rest stay padding)."""
+    template, columns = layout.decode_template(pad_row)
+    np.copyto(out, template)
+    n = len(items)
+    assert n <= layout.shape.requests, (layout.shape, n)
+    rows = []
+    for i, seed in zip(items, seeds, strict=True):
+        p = i.prefix_len
+        rows.append(
+            (i.token_ids[0], p, i.row, p, p + 1, min(i.sampling.top_k, TOP_K_OFF), seed & MASK32, p + 1)
+        )
+    out[columns[:, :n]] = np.array(rows, dtype=np.int64).T
+    for r in layout.ratios:  # token q-1 closes window q//r-1
+        closing = [
+            (j, (i.prefix_len + 1) // r - 1) for j, i in enumerate(items) if (i.prefix_len + 1) % r == 0
+        ]
+        if closing:
+            req, index, k = layout.slices[f"win_req{r}"], layout.slices[f"win_index{r}"], len(closing)
+            out[req.start : req.stop] = [*(j for j, _ in closing), *range(req.stop - req.start - k)]
+            out[index.start : index.start + k] = [w for _, w in closing]
+    floats, S = out[layout.num_ints :].view(np.float32), layout.shape.samples
+    floats[:n] = [i.sampling.temperature for i in items]
+    floats[S : S + n] = [i.sampling.top_p for i in items]
+
+
 Fields = dict[str, "Sequence[int] | np.ndarray"]
-
-
-def _decode_fields(
-    ids: Iterable[int], prefix: list[int], lengths: list[int], seq: list[int], layout: StepLayout
-) -> Fields:
-    """Per-token fields and closing windows of one-token requests, in Python lists."""
-    out: Fields = {"input_ids": list(ids), "positions": prefix, "token_req": range(len(prefix))}
-    for r, nw in zip(layout.ratios, layout.shape.windows, strict=True):  # token q-1 closes window q//r-1
-        closing = [(j, q // r - 1) for j, q in enumerate(seq) if q % r == 0]
-        out[f"win_req{r}"] = [*(j for j, _ in closing), *range(nw - len(closing))]
-        out[f"win_index{r}"] = [*(k for _, k in closing), *[-1] * (nw - len(closing))]
-    return out
 
 
 def _batch_fields(

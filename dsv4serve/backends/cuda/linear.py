@@ -1,4 +1,5 @@
-"""Triton GEMMs behind `Backend.linear` on CUDA: float and W8A8 int8 (the contract of `quant.linear`).
+"""Triton GEMMs behind `Backend.linear` on CUDA: float and W8A8 int8 (the contract of
+`layers.linear.linear`).
 
 Decode-sized inputs (M <= SKINNY_MAX_M rows) are weight-bandwidth bound: one 16-row tile, the weight
 streamed in wide K tiles, and the K loop split over a fixed number of programs when N alone gives

@@ -1,6 +1,6 @@
 """Triton kernels of the norm and rope op families: RMSNorm, per-head norm + rope, rope, and the fused
 K=V norm + rope + SWA-pool write. Same signatures and rounding steps as the reference
-(`attention/core.py`, `attention/reference.py`): norms in fp32, the normed value rounded to the
+(`attention/core.py`, `attention/dsv4.py`): norms in fp32, the normed value rounded to the
 activation dtype before the rope, the rope in fp32.
 """
 

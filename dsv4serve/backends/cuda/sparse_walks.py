@@ -1,4 +1,4 @@
-"""The jit helpers of the sparse attention kernels (`sparse_triton`): one tile of keys into the online
+"""The jit helpers of the sparse attention kernels (`sparse.py`): one tile of keys into the online
 softmax state, the walks over a token's window and compressed entries (the slots of a block of tiles
 gathered before any key loads), the count of a token's entries, and the epilogue that stores the
 output with its rope slice rotated back."""

@@ -24,7 +24,7 @@ MAX_INNER_DIM = 65535
 
 
 def npu_linear(x: torch.Tensor, w: Weight, *, npu: ModuleType) -> torch.Tensor:
-    """Same contract as `quant.linear`: x (..., in) @ w^T -> (..., out) in x's dtype.
+    """Same contract as `layers.linear.linear`: x (..., in) @ w^T -> (..., out) in x's dtype.
 
     Plain weights use torch's own matmul. `Int8Weight` with fp16 / bf16 activations runs
     `npu_dynamic_quant` (per-token symmetric int8, scale = rowmax|x| / 127) and `npu_quant_matmul`
