@@ -1,5 +1,5 @@
-"""GLM's op families on fresh random inputs: the two MLA forms, the fused split + q/kv norm, the router
-(GLM's, and DSV4's through the same op)."""
+"""GLM's op families on fresh random inputs: MLA attention against dense attention per request, the
+fused split + q/kv norm, the router (GLM's, and DSV4's through the same op)."""
 
 from __future__ import annotations
 
@@ -27,40 +27,60 @@ DIMS = MlaDims(
 )
 
 
-def test_absorbed_and_non_absorbed_attention_agree_and_skip_poisoned_rows() -> None:
-    """Decode tokens (one per request) through both forms; slots no request owns hold NaN."""
+def _dense_spec(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, kv_b: torch.Tensor, position: int
+) -> torch.Tensor:
+    """One token's attention in the non-absorbed form: keys and values expanded per head from the
+    latents of its request's positions 0..position. rows: (n, L + rope). Returns (H, v)."""
+    H, nope, lat = DIMS.num_heads, DIMS.qk_nope_head_dim, DIMS.kv_lora_rank
+    w = kv_b.view(H, nope + DIMS.v_head_dim, lat)
+    seen = rows[: position + 1]
+    k = torch.cat(
+        [torch.einsum("nl,hdl->hnd", seen[:, :lat], w[:, :nope]), seen[None, :, lat:].expand(H, -1, -1)], -1
+    )
+    v = torch.einsum("nl,hdl->hnd", seen[:, :lat], w[:, nope:])
+    q = torch.cat([q_nope, q_pe], -1)[:, None]  # (H, 1, nope + rope)
+    probs = torch.softmax((q @ k.transpose(1, 2)) * DIMS.softmax_scale, -1)
+    return (probs @ v)[:, 0]
+
+
+@pytest.mark.parametrize("per_request", [True, False], ids=["eager", "captured"])
+@pytest.mark.parametrize("gather", [1 << 25, 200], ids=["one_chunk", "small_chunks"])
+def test_attention_is_dense_attention_per_request_and_skips_poisoned_rows(
+    gather: int, per_request: bool
+) -> None:
+    """A ragged step: decodes, a prefill after a cached prefix, a whole prompt, an empty-prefix single
+    token; every slot no request owns holds NaN. Each token equals dense attention over its request's
+    rows 0..its position (the non-absorbed form): with the requests' spans known (an eager step) or
+    not (a captured step), the tokens taken at once or in chunks (a gather bound of 200: one token
+    at a time gathering 14 positions x 26; 4 or 5 tokens at a time scoring 13-14 positions x 3 heads)."""
     gen = torch.Generator().manual_seed(0)
-    lens = [1, 5, 12, 3]
-    rows_table = torch.zeros(5, 16, dtype=torch.int32)
-    cache = torch.full((80, DIMS.latent_width), float("nan"))
+    shares = [(0, 1), (4, 1), (11, 1), (5, 9), (0, 13), (2, 1)]  # (prefix, new tokens) per request
+    rows_table = torch.zeros(len(shares) + 1, 16, dtype=torch.int32)
+    cache = torch.full((120, DIMS.latent_width), float("nan"))
     slot = 1
-    for b, n in enumerate(lens):
-        for p in range(n):
-            rows_table[b, p] = slot
+    for b, (prefix, new) in enumerate(shares):
+        for p in range(prefix + new):
+            rows_table[b + 1, p] = slot
             cache[slot] = torch.randn(DIMS.latent_width, generator=gen)
             slot += 1
-    items = [step_item(b, n - 1, [7]) for b, n in enumerate(lens)]
+    items = [step_item(b + 1, prefix, [7] * new) for b, (prefix, new) in enumerate(shares)]
     batch = forward_batch(items, (), "cpu")
     meta = mla_meta(batch, rows_table, rope_inv_freq(DIMS.qk_rope_head_dim, 10000.0, "cpu"))
-    assert meta.decode
-    q_nope = torch.randn(4, 3, 8, generator=gen)
-    q_pe = torch.randn(4, 3, 6, generator=gen)
+    assert meta.spans == ((0, 1, 1), (1, 1, 5), (2, 1, 12), (3, 9, 14), (12, 13, 13), (25, 1, 3))
+    if not per_request:
+        meta = dataclasses.replace(meta, spans=None)
+    T = batch.num_tokens
+    q_nope = torch.randn(T, 3, 8, generator=gen)
+    q_pe = torch.randn(T, 3, 6, generator=gen)
     kv_b = torch.randn(3 * 18, 20, generator=gen) / 4
-    absorbed = mla_attention(q_nope, q_pe, cache, kv_b, meta, DIMS)
-    plain = mla_attention(q_nope, q_pe, cache, kv_b, dataclasses.replace(meta, decode=False), DIMS)
-    assert torch.isfinite(absorbed).all()
-    torch.testing.assert_close(absorbed, plain, rtol=1e-5, atol=1e-5)
-    # the spec: per request, dense attention over its own rows
-    w = kv_b.view(3, 18, 20)
-    for b, n in enumerate(lens):
-        rows = cache[rows_table[b, :n].long()]  # (n, L + rope)
-        k = torch.cat(
-            [torch.einsum("nl,hdl->hnd", rows[:, :20], w[:, :8]), rows[None, :, 20:].expand(3, -1, -1)], -1
-        )
-        v = torch.einsum("nl,hdl->hnd", rows[:, :20], w[:, 8:])
-        q = torch.cat([q_nope[b], q_pe[b]], -1)[:, None]  # (H, 1, 14)
-        probs = torch.softmax((q @ k.transpose(1, 2)) * DIMS.softmax_scale, -1)
-        torch.testing.assert_close(absorbed[b], (probs @ v)[:, 0], rtol=1e-5, atol=1e-5)
+    got = mla_attention(q_nope, q_pe, cache, kv_b, meta, DIMS, bound=gather)
+    assert torch.isfinite(got).all()
+    for t in range(T):
+        b, position = int(batch.token_req[t]), int(batch.positions[t])
+        rows = cache[rows_table[b + 1, : shares[b][0] + shares[b][1]].long()]
+        want = _dense_spec(q_nope[t], q_pe[t], rows, kv_b, position)
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q_lora", "no_q_lora"])

@@ -2,11 +2,11 @@
 
 Two tiny shapes and seeds: q_lora_rank set with grouped routing (n_group 4, topk_group 2), and
 q_lora_rank None (a plain q_proj) with two dense layers. Prompts of 1..200 tokens run in one flat
-batch, whole or in random chunks (prefill chunks mixed with decodes: the non-absorbed form; decode
-steps: the absorbed form); then through Engine.generate with a small step budget and KV capacity
-that force chunked prefill and preemptions. Required: identical greedy ids for 32 new tokens and
-max |logit difference| <= 1e-3 at every position. The engine runs on the device DSV4SERVE_TEST_DEVICE
-names (on cuda: Triton kernels, decode steps replayed from CUDA graphs); the reference on the CPU.
+batch, whole or in random chunks (prefill chunks mixed with decodes); then through Engine.generate
+with a small step budget and KV capacity that force chunked prefill and preemptions. Required:
+identical greedy ids for 32 new tokens and max |logit difference| <= 1e-3 at every position. The
+engine runs on the device DSV4SERVE_TEST_DEVICE names (on cuda: Triton kernels, decode steps replayed
+from CUDA graphs); the reference on the CPU.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_reference_backend_ignores_poisoned_pools(small_vocab_dir: Path, state_m
 
 
 def test_glm_ignores_poisoned_pools(tmp_path: Path) -> None:
-    """GLM-4.7-Flash's latent pool (MLA's both forms: chunked prefills and absorbed decodes)."""
+    """GLM-4.7-Flash's latent pool (MLA over chunked prefills and decodes)."""
     torch.set_num_threads(1)
     model_dir = make_tiny_glm(tmp_path, seed=5, vocab_size=512)
     rng = random.Random(5)

@@ -1,7 +1,8 @@
 """Batch metadata for one forward over a flat batch of tokens from many requests.
 
 Packed on the host from the step plan (executor/inputs.py) and moved to the device in one copy; the
-forward itself reads only these tensors and the slot tables, so it has no host syncs.
+forward itself reads only these tensors, the slot tables and the host-known bounds and spans beside
+them, so it has no host syncs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class ForwardBatch:
     sample_index: torch.Tensor  # (S,) flat index of the last token of each request that samples
     max_seq_len: int  # host-known bound on seq_lens (sizes the compressed-entry gathers)
     windows: dict[int, WindowMeta]  # ratio -> closing windows
+    # host-known (first token, tokens, seq_len) of each request of an eager step; None in a captured
+    # step (its inputs change from replay to replay)
+    spans: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def num_tokens(self) -> int:

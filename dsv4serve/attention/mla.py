@@ -2,13 +2,16 @@
 
 Each token caches one row per layer, `[c | k_pe]`: the RMS-normed kv latent (kv_lora_rank) and the
 roped shared key part (qk_rope_head_dim). Keys and values are never cached per head.
-  prefill chunk   non-absorbed: the latents of the visible keys go through `kv_b_proj` to per-head
-                  k_nope and v, and the query attends over [k_nope | k_pe]
-  decode          absorbed: q_nope goes through kv_b_proj's key half (q_lat = q_nope W_uk), the
-                  scores are q_lat . c + q_pe . k_pe over the latents, and the latent output goes
-                  through the value half (o = (p c) W_uv^T)
-Both are the same function of the cache; a step whose every request brings one token (a decode step)
-takes the absorbed form, any other step the non-absorbed one.
+
+Every token, of a prefill or a decode, attends in the absorbed form: q_nope goes through kv_b_proj's
+key half (q_lat = q_nope W_uk), the scores are q_lat . c + q_pe . k_pe over the cached latents of its
+request's positions 0..its own, and the latent output goes through the value half
+(o = (p c) W_uv^T). (The non-absorbed form, keys and values expanded per head, is the same function
+of the cache; one form for every token keeps a token's result independent of the step it runs in.)
+An eager step (its requests' spans known on the host) gathers each request's latents once and its
+tokens attend to them in chunks whose scores stay under `GATHER_ELEMENTS`; a captured step (decodes:
+one token per request) gathers per token, in chunks likewise bounded. Memory is linear in tokens +
+context, never tokens x context.
 
 RoPE is GPT-J style (interleaved pairs (x0, x1), (x2, x3), ... rotated by one frequency each) with the
 result laid out as [rotated evens | rotated odds], as the reference model does; q and k share the
@@ -25,6 +28,7 @@ from dsv4serve.attention.core import rms_norm
 from dsv4serve.attention.metadata import ForwardBatch
 
 Tensor = torch.Tensor
+GATHER_ELEMENTS = 1 << 20  # values a chunk of tokens gathers or scores at once (4 MiB in fp32: cache-sized)
 
 
 @dataclass(frozen=True)
@@ -49,29 +53,26 @@ class MlaMeta:
 
     write_slots: Tensor  # (T,) latent-pool slot of each token
     key_slots: Tensor  # (B, N) slots of each request's positions 0..N-1, N = the step's max seq len
-    key_valid: Tensor  # (B, N) bool: the position is cached (n < seq_len)
-    visible: Tensor  # (T, N) bool: causal, key position <= the token's position
     token_req: Tensor  # (T,) batch index of each token's request
+    positions: Tensor  # (T,) each token's position: it sees its request's keys 0..position
     cos: Tensor  # (T, rope / 2) fp32
     sin: Tensor
-    decode: bool  # every request brings exactly one token: the absorbed form
+    spans: tuple[tuple[int, int, int], ...] | None  # the batch's host-known request spans, if any
 
 
 def mla_meta(batch: ForwardBatch, full_table: Tensor, inv_freq: Tensor) -> MlaMeta:
     """Step metadata from the batch and the `full` slot table (rows x raw positions)."""
     rows_of_tokens = batch.rows[batch.token_req]  # (T,)
     n = max(batch.max_seq_len, 1)
-    span = torch.arange(n, device=batch.positions.device)
     angles = batch.positions[:, None].float() * inv_freq[None, :]  # (T, rope / 2)
     return MlaMeta(
         write_slots=full_table[rows_of_tokens, batch.positions].long(),
         key_slots=full_table[batch.rows, :n].long(),
-        key_valid=span[None, :] < batch.seq_lens[:, None],
-        visible=span[None, :] <= batch.positions[:, None],
         token_req=batch.token_req,
+        positions=batch.positions,
         cos=angles.cos(),
         sin=angles.sin(),
-        decode=batch.num_tokens == int(batch.rows.shape[0]),
+        spans=batch.spans,
     )
 
 
@@ -120,32 +121,74 @@ def store_latents(cache: Tensor, meta: MlaMeta, kv: Tensor, k_pe: Tensor) -> Non
 
 
 def mla_attention(
-    q_nope: Tensor, q_pe: Tensor, cache: Tensor, kv_b: Tensor, meta: MlaMeta, dims: MlaDims
+    q_nope: Tensor,
+    q_pe: Tensor,
+    cache: Tensor,
+    kv_b: Tensor,
+    meta: MlaMeta,
+    dims: MlaDims,
+    bound: int = GATHER_ELEMENTS,
 ) -> Tensor:
-    """Attention over the cached latents (this step's rows already stored).
+    """Attention over the cached latents (this step's rows already stored), in the absorbed form.
 
     q_nope: (T, H, nope); q_pe: (T, H, rope) rotated; cache: (slots, L + rope) flat;
-    kv_b: kv_b_proj's weight (H * (nope + v), L). Returns (T, H, v).
+    kv_b: kv_b_proj's weight (H * (nope + v), L). Returns (T, H, v). `bound`: the values a chunk of
+    tokens gathers or scores at once (a backend sets it for its device's memory and launch costs).
     """
     lat = dims.kv_lora_rank
-    rows = cache[meta.key_slots]  # (B, N, L + rope)
-    rows = rows.masked_fill(~meta.key_valid[..., None], 0.0)  # select out (a fill, not a multiply)
-    c, k_pe = rows[..., :lat], rows[..., lat:]  # (B, N, L), (B, N, rope)
     w = kv_b.view(dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim, lat)  # (H, nope + v, L)
     w_uk, w_uv = w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim :]  # (H, nope, L), (H, v, L)
-    req = meta.token_req
-    rope_scores = torch.einsum("thr,tnr->thn", q_pe, k_pe[req])  # (T, H, N)
-    if meta.decode:
-        q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # (T, H, L)
-        scores = torch.einsum("thl,tnl->thn", q_lat, c[req]) + rope_scores
-        probs = _softmax(scores * dims.softmax_scale, meta.visible)
-        o_lat = torch.einsum("thn,tnl->thl", probs, c[req])  # (T, H, L)
-        return torch.einsum("thl,hvl->thv", o_lat, w_uv)
-    kv = torch.einsum("bnl,hel->bnhe", c, w)  # (B, N, H, nope + v)
-    k_nope, v = kv[..., : dims.qk_nope_head_dim], kv[..., dims.qk_nope_head_dim :]
-    scores = torch.einsum("thd,tnhd->thn", q_nope, k_nope[req]) + rope_scores
-    probs = _softmax(scores * dims.softmax_scale, meta.visible)
-    return torch.einsum("thn,tnhv->thv", probs, v[req])
+    q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # (T, H, L)
+    if meta.spans is None:
+        o_lat = _per_token(q_lat, q_pe, cache, meta, dims, bound)
+    else:
+        o_lat = _per_request(q_lat, q_pe, cache, meta, dims, meta.spans, bound)
+    return torch.einsum("thl,hvl->thv", o_lat, w_uv)
+
+
+def _per_request(
+    q_lat: Tensor,
+    q_pe: Tensor,
+    cache: Tensor,
+    meta: MlaMeta,
+    dims: MlaDims,
+    spans: tuple[tuple[int, int, int], ...],
+    bound: int,
+) -> Tensor:
+    """Each request's latents gathered once; its tokens in chunks of scores below the bound."""
+    lat, o_lat = dims.kv_lora_rank, torch.empty_like(q_lat)
+    for b, (first, count, n) in enumerate(spans):
+        rows = cache[meta.key_slots[b, :n]]  # (n, L + rope): positions 0..n-1, all written
+        c, k_pe = rows[:, :lat], rows[:, lat:]
+        span = torch.arange(n, device=q_lat.device)
+        chunk = max(1, bound // (n * dims.num_heads))
+        for t0 in range(first, first + count, chunk):
+            t = slice(t0, min(first + count, t0 + chunk))
+            scores = torch.einsum("thl,nl->thn", q_lat[t], c) + torch.einsum("thr,nr->thn", q_pe[t], k_pe)
+            probs = _softmax(scores * dims.softmax_scale, span[None, :] <= meta.positions[t, None])
+            o_lat[t] = torch.einsum("thn,nl->thl", probs, c)
+    return o_lat
+
+
+def _per_token(
+    q_lat: Tensor, q_pe: Tensor, cache: Tensor, meta: MlaMeta, dims: MlaDims, bound: int
+) -> Tensor:
+    """Each token gathers its request's latents (a captured step: spans unknown on the host), in
+    chunks of tokens whose gathers stay below the bound."""
+    lat, T, o_lat = dims.kv_lora_rank, q_lat.shape[0], torch.empty_like(q_lat)
+    n = meta.key_slots.shape[1]
+    span = torch.arange(n, device=q_lat.device)
+    chunk = max(1, bound // (n * cache.shape[1]))
+    for t0 in range(0, T, chunk):
+        t = slice(t0, min(T, t0 + chunk))
+        visible = span[None, :] <= meta.positions[t, None]  # (t, N): causal, within the request
+        rows = cache[meta.key_slots[meta.token_req[t]]]  # (t, N, L + rope)
+        rows = rows.masked_fill(~visible[..., None], 0.0)  # select out (a fill, not a multiply)
+        c, k_pe = rows[..., :lat], rows[..., lat:]  # (t, N, L), (t, N, rope)
+        scores = torch.einsum("thl,tnl->thn", q_lat[t], c) + torch.einsum("thr,tnr->thn", q_pe[t], k_pe)
+        probs = _softmax(scores * dims.softmax_scale, visible)
+        o_lat[t] = torch.einsum("thn,tnl->thl", probs, c)
+    return o_lat
 
 
 def _softmax(scores: Tensor, visible: Tensor) -> Tensor:

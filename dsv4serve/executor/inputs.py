@@ -89,9 +89,14 @@ class StepLayout:
         return self._template[1], self._template[2]
 
     def views(
-        self, words: torch.Tensor, max_seq_len: int, flags: SamplingFlags
+        self,
+        words: torch.Tensor,
+        max_seq_len: int,
+        flags: SamplingFlags,
+        spans: tuple[tuple[int, int, int], ...] | None = None,
     ) -> tuple[ForwardBatch, SamplingBatch]:
-        """The batch and sampling rows over a (device) word buffer of this layout."""
+        """The batch and sampling rows over a (device) word buffer of this layout; `spans`: an eager
+        step's host-known spans of its requests (`spans`), None for a captured step."""
         S, ints = self.shape.samples, words[: self.num_ints]
         v = {name: ints[s] for name, s in self.slices.items()}
         floats = words[self.num_ints :].view(torch.float32)  # (2S,)
@@ -100,6 +105,7 @@ class StepLayout:
             sample_index=v["sample_index"],
             max_seq_len=max_seq_len,
             windows={r: WindowMeta(req=v[f"win_req{r}"], index=v[f"win_index{r}"]) for r in self.ratios},
+            spans=spans,
         )
         params = SamplingBatch(
             floats[:S], floats[S:], v["top_k"], v["seed"], v["sample_pos"],
@@ -245,10 +251,17 @@ def host_words(
     return layout, words
 
 
+def spans(items: Sequence[StepItem]) -> tuple[tuple[int, int, int], ...]:
+    """Each item's (first token, tokens, seq_len) in an eager step's flat batch."""
+    lengths = [len(i.token_ids) for i in items]
+    firsts = list(accumulate(lengths, initial=0))[:-1]
+    return tuple(zip(firsts, lengths, (i.seq_len for i in items), strict=True))
+
+
 def forward_batch(
     items: Sequence[StepItem], ratios: Sequence[int], device: torch.device | str
 ) -> ForwardBatch:
     """An eager step's batch on `device` (a plain copy; tests and benchmarks)."""
     layout, words = host_words(items, [0] * sum(i.sample for i in items), ratios)
     max_len = max((i.seq_len for i in items), default=0)
-    return layout.views(words.to(device), max_len, SamplingFlags.of(items))[0]
+    return layout.views(words.to(device), max_len, SamplingFlags.of(items), spans(items))[0]

@@ -18,7 +18,7 @@ from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.backends import Backend, HostCopy, Transfers, select
 from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.executor.graphs import DecodeGraphs, GraphKey
-from dsv4serve.executor.inputs import SamplingFlags, host_words
+from dsv4serve.executor.inputs import SamplingFlags, host_words, spans
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
 from dsv4serve.layers.linear import Weight, quantize_weights_int8
 from dsv4serve.memory.buffers import LayoutBuffers
@@ -228,7 +228,7 @@ class ModelRunner:
         layout, words = host_words(plan.items, seeds, self.ratios)
         max_len = max((i.seq_len for i in plan.items), default=0)
         words = self.ops.transfers.upload(words, self.device)  # one copy: the batch and the sampled rows
-        batch, params = layout.views(words, max_len, SamplingFlags.of(plan.items))
+        batch, params = layout.views(words, max_len, SamplingFlags.of(plan.items), spans(plan.items))
         if any(i.is_lookahead for i in plan.items):
             batch = self._lookahead_inputs(batch)
         logits = self.model.forward(batch, all_logits=all_logits)

@@ -38,7 +38,8 @@ def backend() -> Backend:
             prepare=mla_reference.mla_meta,
             qkv_split_norm=mla.qkv_split_norm,
             store=mla_reference.store_latents,
-            attention=mla_reference.mla_attention,
+            # chunks of up to 2**28 gathered or scored values (1 GiB in fp32): few launches in a graph
+            attention=partial(mla_reference.mla_attention, bound=1 << 28),
         ),
         transfers=CudaTransfers(),
         graphs=CudaGraphs(),
