@@ -29,6 +29,9 @@ def test_every_kernel_compiles_for_sm90() -> None:
         "_gate_up_kernel",
         "_gating_top_k_kernel",
         "_split_norm_kernel",
+        "_mla_attention_kernel",
+        "_mla_fold_kernel",
+        "_mla_prefill_kernel",
         "_window_meta_kernel",
     ):
         assert report["kernels"].get(kernel, 0) > 0, kernel

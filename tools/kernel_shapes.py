@@ -67,6 +67,7 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
         ops.mla.qkv_split_norm(
             torch.randn(T, (q_lora or 0) + 576).to(tdt), q_norm, torch.ones(512), q_lora, 512, 1e-6
         )
+    _mla_attention(ops, tdt)
     q = dsv4.q_norm_rope(torch.randn(T, H, D).to(tdt), meta, True, 1e-6)
     dsv4.rope(q, meta, True, True)
     layer4, layer128 = cfg.compress_ratios.index(4), cfg.compress_ratios.index(cfg.hca_ratio)
@@ -129,3 +130,28 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
         ops.routed_experts(x, weights, ids, q1, q2, q3, 10.0)
         if hasattr(torch, "_grouped_mm"):  # the prefill path's kernels around torch's grouped GEMM
             grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0)
+
+
+def _mla_attention(ops: Any, tdt: torch.dtype) -> None:
+    """GLM-4.7-Flash's latent attention (20 heads, latent 512 + rope 64) on each of its paths: a small
+    step whose keys pass SPLIT (split), a prefill of two requests (blocks of a request's tokens), and
+    the same tokens without spans (one program per token, as a large captured step)."""
+    import dataclasses
+
+    from dsv4serve.attention.mla import MlaDims, mla_meta
+    from dsv4serve.backends.cuda import mla
+    from dsv4serve.executor.inputs import forward_batch
+    from tests.kernel_cases import step_item
+
+    dims = MlaDims(20, 768, 512, 192, 64, 256, 1e-6, 256**-0.5)
+    small = [step_item(1, mla.SPLIT + 40, [5]), step_item(2, 3, [5])]
+    prefill = [step_item(1, 10, [5] * 40), step_item(2, 0, [5] * (mla.SPLIT_TOKENS + 10))]
+    n = mla.SPLIT + 80
+    table = torch.arange(3 * n, dtype=torch.int32).view(3, n)
+    cache = torch.randn(3 * n, 576).to(tdt)
+    for items in (small, prefill):
+        meta = mla_meta(forward_batch(items, (), "cpu"), table, torch.ones(32))
+        for m in (meta, dataclasses.replace(meta, spans=None)) if items is prefill else (meta,):
+            T = int(m.positions.shape[0])
+            q_nope, q_pe = torch.randn(T, 20, 192).to(tdt), torch.randn(T, 20, 64).to(tdt)
+            ops.mla.attention(q_nope, q_pe, cache, torch.randn(20 * 448, 512).to(tdt), m, dims)

@@ -54,6 +54,7 @@ class MlaMeta:
     write_slots: Tensor  # (T,) latent-pool slot of each token
     key_slots: Tensor  # (B, N) slots of each request's positions 0..N-1, N = the step's max seq len
     token_req: Tensor  # (T,) batch index of each token's request
+    cu_seqlens: Tensor  # (B + 1,) flat index of each request's first token
     positions: Tensor  # (T,) each token's position: it sees its request's keys 0..position
     cos: Tensor  # (T, rope / 2) fp32
     sin: Tensor
@@ -69,6 +70,7 @@ def mla_meta(batch: ForwardBatch, full_table: Tensor, inv_freq: Tensor) -> MlaMe
         write_slots=full_table[rows_of_tokens, batch.positions].long(),
         key_slots=full_table[batch.rows, :n].long(),
         token_req=batch.token_req,
+        cu_seqlens=batch.cu_seqlens,
         positions=batch.positions,
         cos=angles.cos(),
         sin=angles.sin(),

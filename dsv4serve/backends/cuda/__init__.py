@@ -34,12 +34,11 @@ def backend() -> Backend:
             hc_post=mhc.hc_post,
             hc_head=mhc.hc_head,
         ),
-        mla=MlaOps(  # MLA's prepare, store and attention: the reference's (torch ops, in the graph)
+        mla=MlaOps(  # MLA's prepare and store: the reference's (torch ops, in the graph)
             prepare=mla_reference.mla_meta,
             qkv_split_norm=mla.qkv_split_norm,
             store=mla_reference.store_latents,
-            # chunks of up to 2**28 gathered or scored values (1 GiB in fp32): few launches in a graph
-            attention=partial(mla_reference.mla_attention, bound=1 << 28),
+            attention=mla.mla_attention,
         ),
         transfers=CudaTransfers(),
         graphs=CudaGraphs(),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4serve.backends.cuda.triton_utils import softmax_update
+
 
 @triton.jit
 def _attend(q, acc, m, s_sum, pool_ptr, slot, valid, d, dmask, D, scale, FP32: tl.constexpr):
@@ -23,15 +25,7 @@ def _attend(q, acc, m, s_sum, pool_ptr, slot, valid, d, dmask, D, scale, FP32: t
     else:
         logits = tl.dot(q, tl.trans(k)) * scale
     logits = tl.where(valid[None, :], logits, float("-inf"))  # (BLOCK_H, BLOCK_N)
-    m_new = tl.maximum(m, tl.max(logits, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(logits - m_new[:, None])
-    s_sum = s_sum * alpha + tl.sum(p, axis=1)
-    if FP32:
-        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-    return acc, m_new, s_sum
+    return softmax_update(acc, m, s_sum, logits, k, FP32)
 
 
 @triton.jit

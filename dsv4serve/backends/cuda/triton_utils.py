@@ -66,3 +66,19 @@ def pdl_enabled(device: torch.device) -> bool:
     if os.environ.get("DSV4SERVE_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def softmax_update(acc, m, s_sum, logits, values, FP32: tl.constexpr):
+    """One tile of keys into an online softmax state (acc (rows, D) unnormalised output, m the
+    running max, s_sum the running sum): logits (rows, N), scaled, -inf where a row does not see a
+    key; values (N, D). fp32 products in full precision (`ieee`), else the values' dtype."""
+    m_new = tl.maximum(m, tl.max(logits, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    s_sum = s_sum * alpha + tl.sum(p, axis=1)
+    if FP32:
+        acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+    return acc, m_new, s_sum
