@@ -1,8 +1,13 @@
-"""Decode and prefill at DeepSeek-V4-Flash layer dimensions, in ONE run on one GPU: transformers eager,
-the executor core and `Engine.generate`, each decode step against its HBM roofline. Prints JSON.
+"""Decode and prefill at DeepSeek-V4-Flash (or GLM-4.7-Flash) layer dimensions, in ONE run on one GPU:
+transformers eager, the executor core and `Engine.generate`, each decode step against its HBM
+roofline. Prints JSON.
 
-    python benchmarks/bench_decode.py [--layers 4] [--experts 256] [--batches 1 8 64] \
-        [--contexts 1024 8192] [--engine-contexts 1024] [--steps 16] [--out FILE]
+    python benchmarks/bench_decode.py [--model deepseek_v4|glm4_moe_lite] [--layers 4] [--experts N] \
+        [--batches 1 8 64] [--contexts 1024 8192] [--engine-contexts 1024] [--prefills 1x1024 8x1024] \
+        [--steps 16] [--out FILE]
+
+`--experts` defaults to the model's own (256 routed experts for DeepSeek-V4-Flash, 64 for
+GLM-4.7-Flash); `--layers` keeps the model's first layers (GLM-4.7-Flash's first is dense).
 
 The weights are random bf16, built on the device once, by transformers' own initialisation; the engine
 serves the very same tensors (renamed to the official names, experts as views), so both read the same
@@ -42,7 +47,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,14 +57,13 @@ from dsv4serve.executor.graphs import _Graph
 from dsv4serve.executor.inputs import forward_batch
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.memory.sizing import engine_pool_sizes
-from dsv4serve.models.deepseek_v4 import SPEC
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.deepseek_v4.names import official_weights
+from dsv4serve.models.glm4_moe_lite.config import GlmConfig
 from dsv4serve.models.loader import loaded_schema, storage_dtype
-from dsv4serve.models.registry import config_file
+from dsv4serve.models.registry import config_file, spec_for
 from dsv4serve.protocol import SamplingParams, StepItem
 
-CONFIG = config_file("deepseek-v4-flash")  # the official config, shipped in the package
 REPORT: dict[str, Any] = {}
 
 
@@ -91,40 +95,119 @@ def copy_bandwidth(device: str, gib: float = 4.0) -> float:
     return 2 * n * 2 / statistics.median(times[2:])
 
 
-DRY_RUN_DIMS = {  # --dry-run: the same flow on the CPU at tiny dimensions
-    "hidden_size": 64, "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 32,
-    "o_groups": 2, "o_lora_rank": 32, "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8,
-    "moe_intermediate_size": 32, "sliding_window": 16, "vocab_size": 1000,
-}  # fmt: skip
+class Family:
+    """What the benchmark needs of a model family: its config at the benchmark's size, transformers'
+    model of it, the engine's weights over the very same tensors, and the KV bytes a decode reads."""
+
+    model_type: ClassVar[str]
+    official: ClassVar[str]  # the shipped official config
+    experts: ClassVar[int]  # routed experts by default
+    dry_run_dims: ClassVar[dict[str, Any]]  # --dry-run: the same flow on the CPU at tiny dimensions
+
+    def raw_config(self, layers: int, experts: int, dry_run: bool) -> dict[str, Any]:
+        raw = json.loads(config_file(self.official).read_text())
+        raw.update(self.dry_run_dims if dry_run else {})
+        raw.update(num_hidden_layers=layers, n_routed_experts=experts, num_nextn_predict_layers=0)
+        raw.pop("quantization_config", None)
+        return raw
+
+    def build_hf(self, raw: dict[str, Any], device: str) -> Any:
+        raise NotImplementedError
+
+    def engine_weights(self, model: Any, cfg: Any) -> dict[str, torch.Tensor]:
+        """transformers' tensors under the engine's loaded names, in the dtypes the engine keeps."""
+        schema = loaded_schema(spec_for(self.model_type).schema(cfg), spec_for(self.model_type).names(cfg))
+        return {n: t.to(storage_dtype(schema[n], torch.bfloat16)) for n, t in self.named(model).items()}
+
+    def named(self, model: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def kv_bytes(self, cfg: Any, lengths: list[int]) -> int:
+        raise NotImplementedError
 
 
-def flash_config(layers: int, experts: int, dry_run: bool = False) -> dict[str, Any]:
-    raw = json.loads(CONFIG.read_text())
-    raw.update(DRY_RUN_DIMS if dry_run else {})
-    raw.update(num_hidden_layers=layers, n_routed_experts=experts, num_nextn_predict_layers=0)
-    raw["compress_ratios"] = [*raw["compress_ratios"][:layers], 0]
-    raw.pop("quantization_config", None)
-    raw.pop("expert_dtype", None)
-    return raw
+class DeepseekV4(Family):
+    model_type, official, experts = "deepseek_v4", "deepseek-v4-flash", 256
+    dry_run_dims: ClassVar[dict[str, Any]] = {
+        "hidden_size": 64, "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16,
+        "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 32, "index_n_heads": 4, "index_head_dim": 32,
+        "index_topk": 8, "moe_intermediate_size": 32, "sliding_window": 16, "vocab_size": 1000,
+    }  # fmt: skip
+
+    def raw_config(self, layers: int, experts: int, dry_run: bool) -> dict[str, Any]:
+        raw = super().raw_config(layers, experts, dry_run)
+        raw["compress_ratios"] = [*raw["compress_ratios"][:layers], 0]
+        raw.pop("expert_dtype", None)
+        return raw
+
+    def build_hf(self, raw: dict[str, Any], device: str) -> Any:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+        with torch.device(device):
+            model = DeepseekV4ForCausalLM._from_config(DeepseekV4Config(**raw), dtype=torch.bfloat16).eval()
+        vocab, experts, k = raw["vocab_size"], raw["n_routed_experts"], raw["num_experts_per_tok"]
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):  # random distinct experts per token, as a trained table has
+                buf.copy_(torch.rand(vocab, experts, device=device).argsort(-1)[:, :k])
+        return model
+
+    def named(self, model: Any) -> dict[str, torch.Tensor]:
+        return official_weights(model.state_dict().items())  # experts as views
+
+    def kv_bytes(self, cfg: DeepseekV4Config, lengths: list[int]) -> int:
+        """Bytes of keys / entries each query of a decode step reads (bf16), summed over layers."""
+        total, D, Di = 0, cfg.head_dim, cfg.index_head_dim
+        for n in lengths:  # the query sits at position n - 1
+            for r in cfg.compress_ratios:
+                total += min(cfg.sliding_window, n) * D * 2
+                if r == 4:
+                    total += min(cfg.index_topk, n // 4) * D * 2 + (n // 4) * Di * 2
+                elif r:
+                    total += (n // r) * D * 2
+        return total
 
 
-def build_hf(raw: dict[str, Any], device: str) -> Any:
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+class Glm4MoeLite(Family):
+    model_type, official, experts = "glm4_moe_lite", "glm-4.7-flash", 64
+    dry_run_dims: ClassVar[dict[str, Any]] = {
+        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32,
+        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "vocab_size": 1000, "pad_token_id": 2,
+        "eos_token_id": [1, 2],
+    }  # fmt: skip
 
-    with torch.device(device):
-        model = DeepseekV4ForCausalLM._from_config(DeepseekV4Config(**raw), dtype=torch.bfloat16).eval()
-    vocab, experts, k = raw["vocab_size"], raw["n_routed_experts"], raw["num_experts_per_tok"]
-    for name, buf in model.named_buffers():
-        if name.endswith("tid2eid"):  # random distinct experts per token, as a trained table has
-            buf.copy_(torch.rand(vocab, experts, device=device).argsort(-1)[:, :k])
-    return model
+    def raw_config(self, layers: int, experts: int, dry_run: bool) -> dict[str, Any]:
+        raw = super().raw_config(layers, experts, dry_run)
+        dense = raw["first_k_dense_replace"]
+        raw["mlp_layer_types"] = ["dense" if i < dense else "sparse" for i in range(layers)]
+        return raw
+
+    def build_hf(self, raw: dict[str, Any], device: str) -> Any:
+        from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+        with torch.device(device):
+            return Glm4MoeLiteForCausalLM._from_config(Glm4MoeLiteConfig(**raw), dtype=torch.bfloat16).eval()
+
+    def named(self, model: Any) -> dict[str, torch.Tensor]:
+        """Loaded names: no `model.` prefix; transformers' stacked experts as w1 / w3 views and w2."""
+        out: dict[str, torch.Tensor] = {}
+        for name, value in model.state_dict().items():
+            name = name.removeprefix("model.")
+            if name.endswith(".experts.gate_up_proj"):  # (E, 2I, hidden): gate rows, then up rows
+                stem, inter = name.removesuffix("gate_up_proj"), value.shape[1] // 2
+                out[stem + "w1"], out[stem + "w3"] = value[:, :inter], value[:, inter:]
+            elif name.endswith(".experts.down_proj"):
+                out[name.removesuffix("down_proj") + "w2"] = value
+            else:
+                out[name] = value
+        return out
+
+    def kv_bytes(self, cfg: GlmConfig, lengths: list[int]) -> int:
+        """Bytes of latent rows each query of a decode step reads (bf16), summed over layers."""
+        return sum(lengths) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * cfg.num_layers
 
 
-def engine_weights(model: Any, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
-    """transformers' tensors under the official names, in the dtypes the engine keeps (mostly views)."""
-    named = list(model.state_dict().items())
-    schema = loaded_schema(SPEC.schema(cfg), SPEC.names(cfg))
-    return {n: t.to(storage_dtype(schema[n], torch.bfloat16)) for n, t in official_weights(named).items()}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (DeepseekV4(), Glm4MoeLite())}
 
 
 def _cache_kwarg(out: Any) -> dict[str, Any]:
@@ -238,19 +321,6 @@ def weight_bytes(model: Any, batch: int) -> tuple[int, int]:
             nonexpert += size
     layers = sum(1 for n in model.state_dict() if n.endswith("experts.down_proj"))
     return nonexpert, per_expert // layers
-
-
-def kv_bytes(cfg: DeepseekV4Config, lengths: list[int]) -> int:
-    """Bytes of keys / entries each query of a decode step reads (bf16), summed over layers."""
-    total, D, Di = 0, cfg.head_dim, cfg.index_head_dim
-    for n in lengths:  # the query sits at position n - 1
-        for r in cfg.compress_ratios:
-            total += min(cfg.sliding_window, n) * D * 2
-            if r == 4:
-                total += min(cfg.index_topk, n // 4) * D * 2 + (n // 4) * Di * 2
-            elif r:
-                total += (n // r) * D * 2
-    return total
 
 
 def distinct_experts(runner: ModelRunner, core: CoreDriver, rids: list[str]) -> list[int]:
@@ -448,8 +518,9 @@ def save(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(FAMILIES), default="deepseek_v4")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=None, help="routed experts (default: the model's)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--engine-contexts", type=int, nargs="*", default=[1024])
@@ -465,12 +536,14 @@ def main() -> None:
     torch.manual_seed(0)
     started = time.perf_counter()
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    REPORT.update(gpu=gpu, torch=torch.__version__, layers=args.layers, experts=args.experts)
+    family = FAMILIES[args.model]
+    experts = args.experts or family.experts
+    REPORT.update(gpu=gpu, torch=torch.__version__, model=args.model, layers=args.layers, experts=experts)
     bandwidth = copy_bandwidth(device, 0.25 if args.dry_run else 4.0)
     REPORT["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
-    raw = flash_config(args.layers, args.experts, args.dry_run)
-    cfg = DeepseekV4Config.from_dict(raw)
-    hf = build_hf(raw, device)
+    raw = family.raw_config(args.layers, experts, args.dry_run)
+    cfg: Any = spec_for(args.model).config(raw)  # the family's config
+    hf = family.build_hf(raw, device)
     log("built", round(time.perf_counter() - started, 1), "s")
     longest, widest = max(args.contexts + args.engine_contexts), max(args.batches)
     engine = EngineConfig(
@@ -484,8 +557,9 @@ def main() -> None:
     # the driver prefills every request before any decodes, so each holds its last chunk's SWA slots
     # until then (the engine's sizing assumes a decode soon after): room for one chunk per request
     sizes = engine_pool_sizes(cfg, engine)
-    sizes = sizes.with_(swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
-    runner = ModelRunner.from_weights(cfg, engine_weights(hf, cfg), engine, sizes)
+    if "swa" in sizes.names:
+        sizes = sizes.with_(swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
+    runner = ModelRunner.from_weights(cfg, family.engine_weights(hf, cfg), engine, sizes)
     core = CoreDriver(runner)
     vocab = cfg.vocab_size
     rng = random.Random(0)
@@ -531,7 +605,7 @@ def main() -> None:
             nbytes = {
                 "weights": nonexpert + (batch - 1) * cfg.hidden_size * 2,
                 "experts": sum(experts) * per_expert,
-                "kv": kv_bytes(cfg, lengths),
+                "kv": family.kv_bytes(cfg, lengths),
             }
             roofline = sum(nbytes.values()) / bandwidth * 1e3
             entry = {

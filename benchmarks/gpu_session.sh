@@ -4,6 +4,8 @@
 #   tests  - every Triton kernel test, the golden tests and the pool-poison test on CUDA (graphs on)
 #   bench  - benchmarks/bench_decode.py (JSON to $OUT/bench.json and stdout)
 #   kernels - benchmarks/bench_kernels.py [--mhc | --moe] (tile sweeps, JSON to stdout)
+#   glm    - bench_decode.py --model glm4_moe_lite with prefills 1x8192 and 8x1024 (JSON to $OUT/glm.json),
+#            then benchmarks/bench_mla.py (one layer's MLA attention, JSON to $OUT/mla.json)
 #   all    - bench, then kernels
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -24,6 +26,13 @@ bench)
     timeout 560 python3 benchmarks/bench_decode.py --out "$OUT/bench.json" "$@" 2> "$OUT/bench.err" \
         | tee "$OUT/bench.stdout"
     tail -40 "$OUT/bench.err"
+    ;;
+glm)
+    shift
+    timeout 400 python3 benchmarks/bench_decode.py --model glm4_moe_lite --prefills 1x8192 8x1024 \
+        --out "$OUT/glm.json" "$@" 2> "$OUT/glm.err" | tee "$OUT/glm.stdout"
+    tail -30 "$OUT/glm.err"
+    timeout 120 python3 benchmarks/bench_mla.py --out "$OUT/mla.json" | tail -1
     ;;
 kernels)
     shift

@@ -1,0 +1,45 @@
+"""The benchmark scripts still run: `benchmarks/bench_decode.py --dry-run` (the whole flow at tiny
+dimensions on the CPU) for each model family, its JSON complete (speed is measured on a GPU, not here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = [
+    "--dry-run",
+    "--contexts",
+    "48",
+    "--batches",
+    "1",
+    "3",
+    "--prefills",
+    "2x24",
+    "--engine-contexts",
+    "48",
+]
+
+
+@pytest.mark.parametrize("model", ["deepseek_v4", "glm4_moe_lite"])
+def test_bench_decode_dry_run(model: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model", model, *ARGS,
+         "--steps", "3", "--profile"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["model"] == model and list(report["prefill"]) == ["2x24"]
+    assert list(report["decode"]) == ["b1_ctx48", "b3_ctx48"] and list(report["engine"]) == [
+        "b1_ctx48",
+        "b3_ctx48",
+    ]
+    for entry in report["decode"].values():
+        assert entry["core_ms"] > 0 and entry["roofline_ms"] > 0 and entry["bytes"]["kv"] > 0
+        moe_layers = 3 if model == "glm4_moe_lite" else 4  # 4 layers; GLM-4.7-Flash's first is dense
+        assert entry["hf_ms"] > 0 and len(entry["distinct_experts"]) == moe_layers
