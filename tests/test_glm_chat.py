@@ -11,7 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4serve.chat.deltas import Content, Delta, ParsedOutput, Reasoning, ToolCall, collect
+from dsv4serve.chat.deltas import (
+    Content,
+    Delta,
+    ParsedOutput,
+    Reasoning,
+    ToolArguments,
+    ToolCall,
+    ToolCallStart,
+    collect,
+)
 from dsv4serve.chat.messages import (
     ChatError,
     ChatMessage,
@@ -23,9 +32,10 @@ from dsv4serve.chat.messages import (
     TextPart,
     ToolCallSpec,
     ToolSpec,
+    prompt_of,
 )
 from dsv4serve.models.glm4_moe_lite.chat import GlmTemplate, read_chat_template
-from dsv4serve.models.glm4_moe_lite.parser import MARKERS, GlmParser, parse_call
+from dsv4serve.models.glm4_moe_lite.parser import MARKERS, GlmParser
 from dsv4serve.models.glm4_moe_lite.tiny import CHAT_TEMPLATE
 from dsv4serve.models.registry import spec_for
 
@@ -99,6 +109,30 @@ def test_reasoning_kept_only_after_the_last_user_message() -> None:
     assert render(*convo, thinking=True) == (
         "[gMASK]<sop><|user|>1+1?<|assistant|></think>2<|user|>and 2+2?<|assistant|><think>"
     )
+
+
+def test_chat_template_kwargs_set_thinking_and_template_variables() -> None:
+    """vLLM's `chat_template_kwargs`: `enable_thinking` / `thinking` set the mode, other keys are the
+    template's variables (`clear_thinking: false`: every earlier turn keeps its reasoning)."""
+    convo = (
+        msg("user", "1+1?"),
+        msg("assistant", "2", reasoning_content="easy"),
+        msg("user", "and 2+2?"),
+    )
+
+    def rendered(thinking: bool, kwargs: dict[str, object]) -> str:
+        return TEMPLATE.render(prompt_of(convo, (), "none", thinking, None, kwargs)).text
+
+    assert rendered(False, {"enable_thinking": True, "clear_thinking": False}) == (
+        "[gMASK]<sop><|user|>1+1?<|assistant|><think>easy</think>2<|user|>and 2+2?<|assistant|><think>"
+    )
+    assert rendered(True, {"thinking": False}) == (
+        "[gMASK]<sop><|user|>1+1?<|assistant|></think>2<|user|>and 2+2?<|assistant|></think>"
+    )
+    with pytest.raises(ChatError, match=r"chat_template_kwargs\.enable_thinking: expected true or false"):
+        rendered(False, {"enable_thinking": "yes"})
+    with pytest.raises(ChatError, match=r"chat_template_kwargs\.messages: set by the request itself"):
+        rendered(False, {"messages": []})
 
 
 def test_tools_tool_calls_and_results() -> None:
@@ -227,23 +261,50 @@ def test_reasoning_content_and_calls_with_typed_arguments() -> None:
     assert parse("<tool_call>f</tool_call> ok") == ParsedOutput("", "ok", (ToolCall("f", "{}"),))
 
 
-def test_malformed_output_degrades_to_content() -> None:
+def test_malformed_output() -> None:
+    """A call whose name never completes, is empty or holds markup is content, verbatim; a started
+    call keeps what it has when cut short (by the end or another call), leaves out a key without a
+    value and drops text between its pairs; stray tags in text are dropped."""
+    assert parse("Let me see.\n<tool_call>get_wea") == ParsedOutput("", "Let me see.\n<tool_call>get_wea", ())
     unclosed = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Par"
-    assert parse("Let me see.\n" + unclosed) == ParsedOutput("", "Let me see.\n" + unclosed, ())
+    assert parse("Let me see.\n" + unclosed) == ParsedOutput(
+        "", "Let me see.", (ToolCall("get_weather", '{"city": "Par"}'),)
+    )
     assert parse("thinking <tool_call>f", thinking=True) == ParsedOutput("thinking ", "<tool_call>f", ())
-    bad = "<tool_call>f<arg_key>k</arg_key>stray</tool_call>"
-    assert parse("a " + bad + " b") == ParsedOutput("", "a " + bad + " b", ())
+    stray = "<tool_call>f<arg_key>k</arg_key>stray<arg_key>n</arg_key><arg_value>1</arg_value>x</tool_call>"
+    assert parse("a " + stray + " b") == ParsedOutput("", "ab", (ToolCall("f", '{"n": 1}'),))
     assert parse("<tool_call></tool_call>x") == ParsedOutput("", "<tool_call></tool_call>x", ())
-    cut = parse("<tool_call>f<arg_key>k <tool_call>g</tool_call>")
-    assert cut == ParsedOutput("", "<tool_call>f<arg_key>k", (ToolCall("g", "{}"),))
+    assert parse("<tool_call>f</arg_value>g</tool_call>") == ParsedOutput("", "<tool_call>f</arg_value>g", ())
+    cut = parse("<tool_call>f<arg_key>k <tool_call>g<arg_key>v</arg_key><arg_value>[1</tool_call>")
+    assert cut == ParsedOutput("", "", (ToolCall("f", "{}"), ToolCall("g", '{"v": "[1"}')))
     assert parse("a</think>b<think>c</tool_call>d") == ParsedOutput("", "abcd", ())
     assert parse("r<think>s</think>t", thinking=True) == ParsedOutput("rs", "t", ())
-    assert parse_call("f<arg_key>k</arg_key><arg_value>v", {}) is None
     deep = "[" * 100_000
-    assert parse_call(f"f<arg_key>k</arg_key><arg_value>{deep}</arg_value>", {}) == (
-        "f",
-        json.dumps({"k": deep}),
-    )
+    assert parse(
+        f"<tool_call>f<arg_key>k</arg_key><arg_value>{deep}</arg_value></tool_call>"
+    ) == ParsedOutput("", "", (ToolCall("f", json.dumps({"k": deep})),))
+
+
+def test_arguments_stream_as_they_are_generated() -> None:
+    """A call starts once its name is complete; a string value streams piece by piece (escaped), any
+    other value comes out at its `</arg_value>`; the call's `}` at its end."""
+    parser = GlmParser(False, STRINGS)
+    fed = [
+        parser.feed(piece)
+        for piece in ["<tool_call>get_wea", "ther<arg_key>ci", 'ty</arg_key><arg_value>Pa"', "ris",
+                      "</arg_value><arg_key>days</arg_key><arg_value>1", "4</arg_value>", "</tool_call>"]
+    ]  # fmt: skip
+    assert fed[0] == []
+    assert fed[1] == [ToolCallStart(0, "get_weather"), ToolArguments(0, "{")]
+    assert fed[2] == [ToolArguments(0, '"city": "'), ToolArguments(0, 'Pa\\"')]
+    assert fed[3] == [ToolArguments(0, "ris")]
+    assert fed[4] == [ToolArguments(0, '"'), ToolArguments(0, ', "days": ')]  # the int waits for its end
+    assert fed[5] == [ToolArguments(0, "14")]
+    assert fed[6] == [ToolArguments(0, "}")]
+    assert json.loads("".join(d.text for f in fed for d in f if isinstance(d, ToolArguments))) == {
+        "city": 'Pa"ris',
+        "days": 14,
+    }
 
 
 # outputs the model would write: the tiny template's assistant turn, after the generation prompt

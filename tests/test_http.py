@@ -182,7 +182,7 @@ def test_chat_stream_tool_call_with_reasoning(served: ServedModel, client: opena
         messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=[WEATHER],  # type: ignore[list-item]
         max_tokens=200,
-        extra_body={"thinking": True},
+        extra_body={"chat_template_kwargs": {"thinking": True}},  # vLLM's spelling of the same switch
     )
     message = whole.choices[0].message
     assert (
@@ -229,6 +229,12 @@ def test_errors_use_openai_error_objects(served: ServedModel, client: openai.Ope
     with pytest.raises(openai.BadRequestError, match="unknown field"):
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], extra_body={"bogus": 1}
+        )
+    with pytest.raises(openai.BadRequestError, match=r"chat_template_kwargs\.clear_thinking"):
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"chat_template_kwargs": {"clear_thinking": False}},  # a GLM variable
         )
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")

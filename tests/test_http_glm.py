@@ -106,6 +106,23 @@ def test_prompt_is_the_checkpoints_template(
     assert reply.choices[0].message.content == "It is sunny." and reply.choices[0].finish_reason == "stop"
 
 
+def test_chat_template_kwargs_reach_the_template(served: ServedModel, client: openai.OpenAI) -> None:
+    """`clear_thinking: false` keeps an earlier turn's reasoning in the prompt the model reads."""
+    served.forced.script = served.encode("Fine.")
+    messages = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2", "reasoning_content": "easy"},
+        {"role": "user", "content": "and 2+2?"},
+    ]
+    kwargs = {"enable_thinking": False, "clear_thinking": False}
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, extra_body={"chat_template_kwargs": kwargs}
+    )  # type: ignore[arg-type]
+    text = "[gMASK]<sop><|user|>1+1?<|assistant|><think>easy</think>2<|user|>and 2+2?<|assistant|></think>"
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(served.encode(text))
+    assert reply.choices[0].message.content == "Fine."
+
+
 def test_streamed_tool_call_with_reasoning_equals_whole(served: ServedModel, client: openai.OpenAI) -> None:
     served.forced.script = served.encode("I should look it up.</think>Checking.\n" + CALL)
     request = {
@@ -146,15 +163,29 @@ def test_named_tool_choice_and_an_unclosed_call(served: ServedModel, client: ope
     assert json.loads(calls[0].function.arguments) == {"city": "Oslo"}  # type: ignore[union-attr]
     assert not reply.choices[0].message.content
 
-    served.forced.script = served.encode("Let me check. <tool_call>get_weather<arg_key>city")
+    served.forced.script = served.encode(
+        "Let me check. <tool_call>get_weather<arg_key>city</arg_key><arg_value>Os"
+    )
     cut = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Oslo?"}],
         tools=[WEATHER],
         max_tokens=100,
-    )
-    assert cut.choices[0].message.content == "Let me check. <tool_call>get_weather<arg_key>city"
-    assert not cut.choices[0].message.tool_calls and cut.choices[0].finish_reason == "stop"
+    )  # the output ends inside the call: it keeps what it has
+    assert cut.choices[0].message.content == "Let me check."
+    calls = cut.choices[0].message.tool_calls
+    assert calls and json.loads(calls[0].function.arguments) == {"city": "Os"}  # type: ignore[union-attr]
+    assert cut.choices[0].finish_reason == "tool_calls"
+
+    served.forced.script = served.encode("Let me check. <tool_call>get_wea")
+    named = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Oslo?"}],
+        tools=[WEATHER],
+        max_tokens=100,
+    )  # still naming itself at the end: text
+    assert named.choices[0].message.content == "Let me check. <tool_call>get_wea"
+    assert not named.choices[0].message.tool_calls and named.choices[0].finish_reason == "stop"
 
 
 def test_checkpoint_without_a_template_refuses_chat_serves_completions(tmp_path: Path) -> None:

@@ -83,6 +83,38 @@ class ChatPrompt(msgspec.Struct, frozen=True, kw_only=True):
     tool_choice: ToolChoice = "auto"
     thinking: bool = False
     reasoning_effort: Literal["high", "max"] | None = None
+    # more variables for a Jinja template (a request's `chat_template_kwargs` but its thinking keys)
+    template_kwargs: dict[str, Any] = {}
+
+
+THINKING_KWARGS = ("enable_thinking", "thinking")  # chat_template_kwargs keys that set `thinking`
+
+
+def prompt_of(
+    messages: tuple[ChatMessage, ...],
+    tools: tuple[ToolSpec, ...],
+    tool_choice: ToolChoice,
+    thinking: bool,
+    reasoning_effort: Literal["high", "max"] | None,
+    template_kwargs: dict[str, Any] | None,
+) -> ChatPrompt:
+    """A request's prompt; `chat_template_kwargs` (vLLM's and SGLang's field) may set the thinking mode
+    (`enable_thinking` or `thinking`: a bool) and pass more variables to a Jinja template."""
+    kwargs = dict(template_kwargs or {})
+    for key in THINKING_KWARGS:
+        if key in kwargs:
+            value = kwargs.pop(key)
+            if not isinstance(value, bool):
+                raise ChatError(f"chat_template_kwargs.{key}: expected true or false, got {value!r}")
+            thinking = value
+    return ChatPrompt(
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        thinking=thinking,
+        reasoning_effort=reasoning_effort,
+        template_kwargs=kwargs,
+    )
 
 
 class RenderedPrompt(msgspec.Struct, frozen=True, kw_only=True):

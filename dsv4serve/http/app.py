@@ -17,7 +17,7 @@ import trio
 
 from dsv4serve.actors.system import EngineHandle
 from dsv4serve.chat import ChatError, ChatTemplate
-from dsv4serve.chat.messages import ChatPrompt
+from dsv4serve.chat.messages import prompt_of
 from dsv4serve.http import schema as s
 from dsv4serve.http.asgi import (
     ClientGone,
@@ -135,14 +135,15 @@ class OpenAIApp:
 
     async def _chat(self, scope: Scope, receive: Receive, out: Responder) -> None:
         req = await self._read(scope, receive, s.ChatRequest)
-        prompt = ChatPrompt(
-            messages=tuple(req.messages),
-            tools=tuple(req.tools or ()),
-            tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
-            thinking=req.thinking,
-            reasoning_effort=req.reasoning_effort,
-        )
         try:
+            prompt = prompt_of(
+                tuple(req.messages),
+                tuple(req.tools or ()),
+                req.tool_choice or ("auto" if req.tools else "none"),
+                req.thinking,
+                req.reasoning_effort,
+                req.chat_template_kwargs,
+            )
             rendered = self.template.render(prompt)
         except ChatError as err:
             raise HttpError(400, str(err), "invalid_request") from None

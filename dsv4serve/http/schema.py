@@ -77,6 +77,7 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True):
     parallel_tool_calls: bool | None = None
     thinking: bool = False  # DeepSeek-V4's thinking mode (an extension: `extra_body={"thinking": True}`)
     reasoning_effort: Literal["high", "max"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's / SGLang's: thinking keys, template variables
 
 
 # ---------------------------------------------------------------- responses

@@ -152,7 +152,7 @@ class ChatStream(_Base):
         rendered: RenderedPrompt,
     ) -> None:
         super().__init__(rid, req, decoder)
-        self._template, self._rendered, self._thinking = template, rendered, req.thinking
+        self._template, self._rendered, self._thinking = template, rendered, rendered.thinking
         self._choices = [_ChatChoice(*template.parser(rendered)) for _ in range(req.n)]
 
     def _chunk(self, choices: list[s.ChunkChoice], usage: s.Usage | None = None) -> s.ChatChunk:

@@ -170,6 +170,12 @@ def _user_text(turn: _Turn) -> str:
 def render(prompt: ChatPrompt) -> RenderedPrompt:
     if not prompt.messages:
         raise ChatError("messages: must not be empty")
+    if prompt.template_kwargs:
+        key = next(iter(prompt.template_kwargs))
+        raise ChatError(
+            f"chat_template_kwargs.{key}: DeepSeek-V4's encoding takes no template variables "
+            "(only thinking / enable_thinking)"
+        )
     tools = prompt.tools if prompt.tool_choice != "none" else ()
     prefill = forced_prefill(prompt)
     turns = _turns(prompt.messages)

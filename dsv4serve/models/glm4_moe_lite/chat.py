@@ -1,7 +1,8 @@
 """GLM-4.7's chat format: the checkpoint's own Jinja template, rendered by transformers' chat-template
 machinery (`render_jinja_template`, the engine behind `apply_chat_template`: a sandboxed jinja2
-environment with HF's `tojson`), with `messages`, `tools`, `add_generation_prompt=True` and
-`enable_thinking`.
+environment with HF's `tojson`), with `messages`, `tools`, `add_generation_prompt=True`,
+`enable_thinking` and a request's other `chat_template_kwargs` (`clear_thinking: false` keeps the
+reasoning of every earlier turn in GLM-4.7's template).
 
 The template is `chat_template.jinja` in the checkpoint directory, else `chat_template` in its
 `tokenizer_config.json` (a string, or the `default` entry of a list of named templates). A checkpoint
@@ -37,6 +38,9 @@ from dsv4serve.chat.messages import (
 from dsv4serve.models.glm4_moe_lite.parser import CALL_START, THINK_END, THINK_START, GlmParser, string_keys
 
 TEMPLATE_FILE = "chat_template.jinja"
+# what a request sets itself, never a chat_template_kwargs variable
+RESERVED = frozenset({"messages", "tools", "chat_template", "add_generation_prompt", "continue_final_message",
+                      "documents", "tokenize", "return_dict"})  # fmt: skip
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
@@ -74,6 +78,9 @@ class GlmTemplate:
         tools = prompt.tools if prompt.tool_choice != "none" else ()
         forced = forced_tool(prompt)
         messages = [_message(i, m) for i, m in enumerate(prompt.messages)]
+        reserved = sorted(RESERVED & prompt.template_kwargs.keys())
+        if reserved:
+            raise ChatError(f"chat_template_kwargs.{reserved[0]}: set by the request itself, not a variable")
         try:
             # it returns (texts, generation indices), whatever its annotation says
             rendered: Any = render_jinja_template(
@@ -81,7 +88,7 @@ class GlmTemplate:
                 tools=[msgspec.to_builtins(t) for t in tools] or None,
                 chat_template=self.source,
                 add_generation_prompt=True,
-                enable_thinking=prompt.thinking,
+                **{**prompt.template_kwargs, "enable_thinking": prompt.thinking},
             )
         except jinja2.TemplateError as err:  # a syntax error, or the template's raise_exception
             raise ChatError(f"the chat template cannot render this conversation: {err}") from None

@@ -11,18 +11,23 @@ string values verbatim), else it is the JSON it parses as (`42`, `true`, `["a"]`
 not parse, a string (vLLM's GLM parser reads values the same way). A `<tool_call>` met in the
 reasoning ends the reasoning.
 
+Streaming: a call starts (`ToolCallStart`, then `{`) once its name is complete (at its first
+`<arg_key>` or its `</tool_call>`); a string value streams as it is generated (JSON-escaped), any
+other value comes out at its `</arg_value>` (whether it parses as JSON is known only then); `}` at
+the call's end. Once started, a call is a call: a key without a value is left out, text between the
+pairs is dropped, a call cut short by another `<tool_call>` or by the end of the output is closed
+with what it has. A call whose name is empty or holds markup (or that is still naming itself at the
+end) comes out as content, verbatim.
+
 Contract: `feed` may be given the text in any split; the concatenation of the deltas it and `finish`
-return is the same for every split (a tail that might still start a tag is held back). A tool call
-comes out whole when its `</tool_call>` arrives (so its arguments are not streamed piece by piece);
-a call that does not parse, is cut short by another `<tool_call>`, or is still open at the end comes
-out as content, verbatim. Stray `<think>`, `</think>` and `</tool_call>` are dropped. Whitespace
-between content and a tool call, or between calls, is not content.
+return is the same for every split (a tail that might still start a tag is held back). Stray
+`<think>`, `</think>` and `</tool_call>` in text are dropped. Whitespace between content and a tool
+call, or between calls, is not content.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -37,19 +42,26 @@ KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
 MARKERS = (THINK_START, THINK_END, CALL_START, CALL_END, KEY_START, KEY_END, VALUE_START, VALUE_END)
 
-_PAIR = re.compile(r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.DOTALL)
-
 
 class _State(Enum):
     REASONING = auto()
     CONTENT = auto()
-    CALL = auto()  # after `<tool_call>`: the call's text is gathered up to `</tool_call>`
+    NAME = auto()  # after `<tool_call>`: the name, up to the first tag
+    CALL = auto()  # a started call, between its pairs
+    KEY = auto()  # after `<arg_key>`
+    PAIR = auto()  # after `</arg_key>`, before `<arg_value>`
+    VALUE = auto()  # after `<arg_value>`
 
 
+_IN_CALL = (KEY_START, CALL_END, CALL_START)
 _TERMINATORS: dict[_State, tuple[str, ...]] = {
     _State.REASONING: (THINK_END, THINK_START, CALL_START, CALL_END),
     _State.CONTENT: (CALL_START, THINK_START, THINK_END, CALL_END),
-    _State.CALL: (CALL_END, CALL_START),
+    _State.NAME: MARKERS,
+    _State.CALL: _IN_CALL,
+    _State.KEY: (KEY_END, CALL_END, CALL_START),
+    _State.PAIR: (VALUE_START, *_IN_CALL),
+    _State.VALUE: (VALUE_END, CALL_END, CALL_START),
 }
 
 
@@ -72,9 +84,13 @@ class GlmParser(TagStream):
     thinking: bool = False
     strings: Mapping[str, frozenset[str]] = field(default_factory=dict)
     _state: _State = _State.CONTENT
-    _call: list[str] = field(default_factory=list)  # the open call's text so far
+    _name: str = ""  # the name being read, then the open call's
+    _key: str = ""  # the pair's key
+    _value: str = ""  # a non-string value so far
+    _string_value: bool = False
+    _num_params: int = 0
     _space: str = ""  # content whitespace held until we know whether a tool call follows
-    _call_space: str = ""  # the whitespace before the open call (content again if the call is not one)
+    _call_space: str = ""  # the whitespace before the naming call (content again if it is not one)
     _after_call: bool = False  # content so far since the last call is whitespace
     _num_calls: int = 0
 
@@ -82,32 +98,49 @@ class GlmParser(TagStream):
         self._state = _State.REASONING if self.thinking else _State.CONTENT
 
     def finish(self) -> list[Delta]:
-        """The end of the output: held text goes out; an open call goes out as content."""
+        """The end of the output: held text goes out, an open call is closed, a call still naming
+        itself goes out as content."""
         rest, self._buf = self._buf, ""
         if self._state is _State.REASONING:
             self._emit(Reasoning(rest))
         elif self._state is _State.CONTENT:
             self._content(rest)
+        elif self._state is _State.NAME:
+            self._content(self._call_space + CALL_START + self._name + rest)
         else:
-            self._content(self._call_space + CALL_START + "".join(self._call) + rest)
+            self._body(rest)
+            self._close_call()
         self._emit(Content(self._space))
-        self._space, self._call = "", []
+        self._space = ""
         return self._take()
 
     def _emit(self, delta: Delta) -> None:
         if not isinstance(delta, Reasoning | Content) or delta.text:
             self._out.append(delta)
 
+    def _args(self, text: str) -> None:
+        self._out.append(ToolArguments(self._num_calls - 1, text))
+
     def _tags(self) -> tuple[tuple[str, ...], bool]:
         return _TERMINATORS[self._state], True
 
     def _body(self, text: str) -> None:
-        if self._state is _State.REASONING:
-            self._emit(Reasoning(text))
-        elif self._state is _State.CONTENT:
-            self._content(text)
-        elif text:
-            self._call.append(text)
+        match self._state:
+            case _State.REASONING:
+                self._emit(Reasoning(text))
+            case _State.CONTENT:
+                self._content(text)
+            case _State.NAME:
+                self._name += text
+            case _State.KEY:
+                self._key += text
+            case _State.VALUE if self._string_value:
+                if text:
+                    self._args(json.dumps(text, ensure_ascii=False)[1:-1])
+            case _State.VALUE:
+                self._value += text
+            case _State.CALL | _State.PAIR:
+                pass  # between a call's tags: not content
 
     def _content(self, text: str) -> None:
         text = self._space + text
@@ -120,45 +153,71 @@ class GlmParser(TagStream):
             self._emit(Content(body))
 
     def _transition(self, tag: str) -> None:
-        if tag == CALL_START:
-            if self._state is _State.CALL:  # the open call was cut short: it was text after all
-                self._content(self._call_space + CALL_START + "".join(self._call))
-            self._call_space, self._space, self._call = self._space, "", []
-            self._state = _State.CALL
-        elif self._state is _State.CALL:  # CALL_END
-            self._end_call("".join(self._call))
-            self._call = []
-            self._state = _State.CONTENT
-        elif tag == THINK_END and self._state is _State.REASONING:
-            self._state = _State.CONTENT
-        # any other tag is stray here and dropped
+        state = self._state
+        if state in (_State.REASONING, _State.CONTENT):
+            if tag == CALL_START:
+                self._open_call()
+            elif tag == THINK_END and state is _State.REASONING:
+                self._state = _State.CONTENT
+            return  # any other tag is stray here and dropped
+        if state is _State.NAME:
+            self._named(tag)
+        elif state is _State.KEY and tag == KEY_END:
+            self._state = _State.PAIR
+        elif state is _State.PAIR and tag == VALUE_START:
+            self._start_value()
+        elif state is _State.VALUE and tag == VALUE_END:
+            self._end_value()
+        elif tag == KEY_START:  # a new pair (a key read before it had no value: left out)
+            self._key, self._state = "", _State.KEY
+        else:  # CALL_END or CALL_START: the call ends here
+            self._close_call()
+            if tag == CALL_START:
+                self._open_call()
 
-    def _end_call(self, text: str) -> None:
-        call = parse_call(text, self.strings)
-        if call is None:
-            self._content(self._call_space + CALL_START + text + CALL_END)
+    def _open_call(self) -> None:
+        self._call_space, self._space, self._name = self._space, "", ""
+        self._state = _State.NAME
+
+    def _named(self, tag: str) -> None:
+        """The name ends at `tag`: a call starts, or (no valid name) the text so far was content."""
+        name = self._name.strip()
+        if not name or tag not in (KEY_START, CALL_END):
+            self._state = _State.CONTENT
+            if tag == CALL_START:  # the text so far was content; a new call opens
+                self._content(self._call_space + CALL_START + self._name)
+                self._open_call()
+            else:
+                self._content(self._call_space + CALL_START + self._name + tag)
             return
-        name, arguments = call
+        self._name, self._num_params = name, 0
         self._emit(ToolCallStart(self._num_calls, name))
-        self._emit(ToolArguments(self._num_calls, arguments))
         self._num_calls += 1
-        self._after_call = True
+        self._args("{")
+        self._state = _State.CALL
+        self._transition(tag)
 
+    def _start_value(self) -> None:
+        self._string_value = self._key.strip() in self.strings.get(self._name, frozenset())
+        key = json.dumps(self._key.strip(), ensure_ascii=False)
+        quote = '"' if self._string_value else ""
+        self._args(f"{', ' if self._num_params else ''}{key}: {quote}")
+        self._num_params += 1
+        self._value, self._state = "", _State.VALUE
 
-def parse_call(text: str, strings: Mapping[str, frozenset[str]]) -> tuple[str, str] | None:
-    """The name and JSON arguments of the call `text` (what lies between its tags); None if malformed."""
-    head, _, _ = text.partition(KEY_START)
-    name, pos, args = head.strip(), len(head), {}
-    if not name or any(m in name for m in MARKERS):
-        return None
-    keep = strings.get(name, frozenset())
-    while (pair := _PAIR.match(text, pos)) is not None:
-        key, value = pair["key"].strip(), pair["value"]
-        args[key] = value if key in keep else _json_or_text(value)
-        pos = pair.end()
-    if text[pos:].strip():
-        return None
-    return name, json.dumps(args, ensure_ascii=False)
+    def _end_value(self) -> None:
+        if self._string_value:
+            self._args('"')
+        else:
+            self._args(json.dumps(_json_or_text(self._value), ensure_ascii=False))
+        self._value, self._state = "", _State.CALL
+
+    def _close_call(self) -> None:
+        """The open call ends: a value in progress is kept, a key without one left out."""
+        if self._state is _State.VALUE:
+            self._end_value()
+        self._args("}")
+        self._after_call, self._state = True, _State.CONTENT
 
 
 def _json_or_text(value: str) -> Any:
