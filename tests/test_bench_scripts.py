@@ -43,3 +43,18 @@ def test_bench_decode_dry_run(model: str) -> None:
         assert entry["core_ms"] > 0 and entry["roofline_ms"] > 0 and entry["bytes"]["kv"] > 0
         moe_layers = 3 if model == "glm4_moe_lite" else 4  # 4 layers; GLM-4.7-Flash's first is dense
         assert entry["hf_ms"] > 0 and len(entry["distinct_experts"]) == moe_layers
+
+
+def test_bench_long_prompt_dry_run() -> None:
+    """The long-prompt benchmark's flow at tiny GLM dimensions: the prompt served in chunks through the
+    engine, transformers on the same prompt, both with the same greedy first token."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_long_prompt.py"), "--dry-run", "--tokens", "700",
+         "--chunk", "256", "--new-tokens", "4"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    engine = report["engine"]
+    assert engine["ttft_ms"] > 0 and len(engine["tokens"]) == 4 and engine["same_first_token_both_runs"]
+    assert report["transformers"]["ttft_ms"] > 0 and report["same_first_token_as_hf"]

@@ -74,7 +74,7 @@ def test_attention_is_dense_attention_per_request_and_skips_poisoned_rows(
     q_nope = torch.randn(T, 3, 8, generator=gen)
     q_pe = torch.randn(T, 3, 6, generator=gen)
     kv_b = torch.randn(3 * 18, 20, generator=gen) / 4
-    got = mla_attention(q_nope, q_pe, cache, kv_b, meta, DIMS, bound=gather)
+    got = mla_attention(torch.cat([q_nope, q_pe], -1), cache, kv_b, meta, DIMS, bound=gather)
     assert torch.isfinite(got).all()
     for t in range(T):
         b, position = int(batch.token_req[t]), int(batch.positions[t])

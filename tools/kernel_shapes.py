@@ -133,25 +133,29 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
 
 
 def _mla_attention(ops: Any, tdt: torch.dtype) -> None:
-    """GLM-4.7-Flash's latent attention (20 heads, latent 512 + rope 64) on each of its paths: a small
-    step whose keys pass SPLIT (split), a prefill of two requests (blocks of a request's tokens), and
-    the same tokens without spans (one program per token, as a large captured step)."""
+    """GLM-4.7-Flash's latent attention (20 heads, latent 512 + rope 64) on each of its paths: small
+    steps split over their keys (SPLIT_MIN keys a split for two tokens, SPLIT for 64), a prefill of
+    two requests (blocks of a request's tokens), and the same tokens without spans (one program per
+    token, as a large captured step)."""
     import dataclasses
 
-    from dsv4serve.attention.mla import MlaDims, mla_meta
+    from dsv4serve.attention.mla import MlaDims, QkvLatents, mla_meta
     from dsv4serve.backends.cuda import mla
     from dsv4serve.executor.inputs import forward_batch
     from tests.kernel_cases import step_item
 
     dims = MlaDims(20, 768, 512, 192, 64, 256, 1e-6, 256**-0.5)
-    small = [step_item(1, mla.SPLIT + 40, [5]), step_item(2, 3, [5])]
+    short = [step_item(1, mla.SPLIT_MIN + 40, [5]), step_item(2, 3, [5])]
+    wide = [step_item(b + 1, mla.SPLIT + 40, [5]) for b in range(64)]
     prefill = [step_item(1, 10, [5] * 40), step_item(2, 0, [5] * (mla.SPLIT_TOKENS + 10))]
-    n = mla.SPLIT + 80
-    table = torch.arange(3 * n, dtype=torch.int32).view(3, n)
-    cache = torch.randn(3 * n, 576).to(tdt)
-    for items in (small, prefill):
+    for items, n in ((short, mla.SPLIT_MIN + 80), (wide, mla.SPLIT + 80), (prefill, 200)):
+        table = torch.arange((len(items) + 1) * n, dtype=torch.int32).view(len(items) + 1, n)
+        cache = torch.randn(table.numel(), 576).to(tdt)
         meta = mla_meta(forward_batch(items, (), "cpu"), table, torch.ones(32))
+        T = int(meta.positions.shape[0])
+        latents = QkvLatents(None, torch.randn(T, 512).to(tdt), torch.randn(T, 64).to(tdt))
+        ops.mla.rope_store(torch.randn(T, 20, 256).to(tdt)[..., 192:], latents, cache, meta)  # in place
         for m in (meta, dataclasses.replace(meta, spans=None)) if items is prefill else (meta,):
             T = int(m.positions.shape[0])
-            q_nope, q_pe = torch.randn(T, 20, 192).to(tdt), torch.randn(T, 20, 64).to(tdt)
-            ops.mla.attention(q_nope, q_pe, cache, torch.randn(20 * 448, 512).to(tdt), m, dims)
+            q = torch.randn(T, 20, 192 + 64).to(tdt)
+            ops.mla.attention(q, cache, torch.randn(20 * 448, 512).to(tdt), m, dims)

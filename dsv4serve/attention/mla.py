@@ -7,7 +7,8 @@ Every token, of a prefill or a decode, attends in the absorbed form: q_nope goes
 key half (q_lat = q_nope W_uk), the scores are q_lat . c + q_pe . k_pe over the cached latents of its
 request's positions 0..its own, and the latent output goes through the value half
 (o = (p c) W_uv^T). (The non-absorbed form, keys and values expanded per head, is the same function
-of the cache; one form for every token keeps a token's result independent of the step it runs in.)
+of the cache; one form for every token keeps a token's result independent of the step it runs in. A
+backend may run prefills expanded, as the CUDA backend does over FlashAttention.)
 An eager step (its requests' spans known on the host) gathers each request's latents once and its
 tokens attend to them in chunks whose scores stay under `GATHER_ELEMENTS`; a captured step (decodes:
 one token per request) gathers per token, in chunks likewise bounded. Memory is linear in tokens +
@@ -122,9 +123,15 @@ def store_latents(cache: Tensor, meta: MlaMeta, kv: Tensor, k_pe: Tensor) -> Non
     cache[meta.write_slots] = torch.cat([kv, k_pe], dim=-1).to(cache.dtype)
 
 
+def rope_store(q_pe: Tensor, latents: QkvLatents, cache: Tensor, meta: MlaMeta) -> None:
+    """The step's rope and latent write: q_pe (T, H, rope: a view of q) rotated in place, each token's
+    row [c | rotated k_pe] stored at its slot."""
+    store_latents(cache, meta, latents.kv, rope_interleaved(latents.k_pe, meta.cos, meta.sin))
+    q_pe.copy_(rope_interleaved(q_pe, meta.cos, meta.sin))
+
+
 def mla_attention(
-    q_nope: Tensor,
-    q_pe: Tensor,
+    q: Tensor,
     cache: Tensor,
     kv_b: Tensor,
     meta: MlaMeta,
@@ -133,11 +140,12 @@ def mla_attention(
 ) -> Tensor:
     """Attention over the cached latents (this step's rows already stored), in the absorbed form.
 
-    q_nope: (T, H, nope); q_pe: (T, H, rope) rotated; cache: (slots, L + rope) flat;
+    q: (T, H, nope + rope), its rope part rotated; cache: (slots, L + rope) flat;
     kv_b: kv_b_proj's weight (H * (nope + v), L). Returns (T, H, v). `bound`: the values a chunk of
     tokens gathers or scores at once (a backend sets it for its device's memory and launch costs).
     """
     lat = dims.kv_lora_rank
+    q_nope, q_pe = q[..., : dims.qk_nope_head_dim], q[..., dims.qk_nope_head_dim :]
     w = kv_b.view(dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim, lat)  # (H, nope + v, L)
     w_uk, w_uv = w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim :]  # (H, nope, L), (H, v, L)
     q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # (T, H, L)

@@ -200,14 +200,12 @@ class QkvSplitNorm(Protocol):
     ) -> QkvLatents: ...
 
 
-class MlaStore(Protocol):
-    def __call__(self, cache: Tensor, meta: MlaMeta, kv: Tensor, k_pe: Tensor, /) -> None: ...
+class MlaRopeStore(Protocol):
+    def __call__(self, q_pe: Tensor, latents: QkvLatents, cache: Tensor, meta: MlaMeta, /) -> None: ...
 
 
 class MlaAttention(Protocol):
-    def __call__(
-        self, q_nope: Tensor, q_pe: Tensor, cache: Tensor, kv_b: Tensor, meta: MlaMeta, dims: MlaDims, /
-    ) -> Tensor: ...
+    def __call__(self, q: Tensor, cache: Tensor, kv_b: Tensor, meta: MlaMeta, dims: MlaDims, /) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -216,7 +214,7 @@ class MlaOps:
 
     prepare: MlaPrepare
     qkv_split_norm: QkvSplitNorm
-    store: MlaStore
+    rope_store: MlaRopeStore
     attention: MlaAttention
 
 

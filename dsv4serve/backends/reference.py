@@ -36,7 +36,7 @@ DSV4 = Dsv4Ops(
 MLA = MlaOps(
     prepare=mla.mla_meta,
     qkv_split_norm=mla.qkv_split_norm,
-    store=mla.store_latents,
+    rope_store=mla.rope_store,
     attention=mla.mla_attention,
 )
 

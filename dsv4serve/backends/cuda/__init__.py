@@ -34,10 +34,10 @@ def backend() -> Backend:
             hc_post=mhc.hc_post,
             hc_head=mhc.hc_head,
         ),
-        mla=MlaOps(  # MLA's prepare and store: the reference's (torch ops, in the graph)
+        mla=MlaOps(  # MLA's prepare: the reference's (torch ops, in the graph)
             prepare=mla_reference.mla_meta,
             qkv_split_norm=mla.qkv_split_norm,
-            store=mla_reference.store_latents,
+            rope_store=mla.rope_store,
             attention=mla.mla_attention,
         ),
         transfers=CudaTransfers(),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch
-from dsv4serve.attention.mla import MlaDims, MlaMeta, rope_interleaved, rope_inv_freq
+from dsv4serve.attention.mla import MlaDims, MlaMeta, rope_inv_freq
 from dsv4serve.layers.linear import Weight, Weights, plain
 from dsv4serve.models.glm4_moe_lite.config import GlmConfig
 from dsv4serve.moe.experts import swiglu
@@ -87,9 +87,8 @@ def _layer(w: Weights, cfg: GlmConfig, i: int) -> GlmLayer:
     else:
         experts = (w[m + "experts.w1"], w[m + "experts.w2"], w[m + "experts.w3"])
         shared = _swiglu_weights(w, m + "shared_experts.") if cfg.n_shared_experts else None
-        mlp = MlpWeights(
-            None, plain(w, m + "gate.weight"), plain(w, m + "gate.e_score_correction_bias"), experts, shared
-        )
+        router = plain(w, m + "gate.weight").float()  # fp32 once, not per step
+        mlp = MlpWeights(None, router, plain(w, m + "gate.e_score_correction_bias"), experts, shared)
     p = f"layers.{i}."
     return GlmLayer(
         plain(w, p + "input_layernorm.weight"), plain(w, p + "post_attention_layernorm.weight"), attn, mlp
@@ -132,13 +131,8 @@ class Glm4MoeLite:
         )
         q = ops.linear(lat.q if lat.q is not None else x, w.q_b)
         q = q.view(x.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim)  # (T, H, nope + rope)
-        q_nope, q_pe = (
-            q[..., : d.qk_nope_head_dim],
-            rope_interleaved(q[..., d.qk_nope_head_dim :], meta.cos, meta.sin),
-        )
-        k_pe = rope_interleaved(lat.k_pe, meta.cos, meta.sin)  # (T, rope)
-        ops.mla.store(cache, meta, lat.kv, k_pe)
-        out = ops.mla.attention(q_nope, q_pe, cache, w.kv_b, meta, d)  # (T, H, v)
+        ops.mla.rope_store(q[..., d.qk_nope_head_dim :], lat, cache, meta)  # q's rope part; [c | k_pe] stored
+        out = ops.mla.attention(q, cache, w.kv_b, meta, d)  # (T, H, v)
         return ops.linear(out.reshape(x.shape[0], -1), w.o)
 
     def _mlp(self, x: torch.Tensor, w: MlpWeights) -> torch.Tensor:
@@ -147,7 +141,7 @@ class Glm4MoeLite:
             return swiglu(x, *w.gate_up_down, limit=math.inf, matmul=ops.linear)
         assert w.router is not None and w.experts is not None
         weights, ids = ops.gating_top_k(
-            torch.nn.functional.linear(x.float(), w.router.float()),  # (T, E) fp32 logits
+            torch.nn.functional.linear(x.float(), w.router),  # (T, E) fp32 logits (the router kept in fp32)
             cfg.num_experts_per_tok,
             bias=w.bias,
             k_group=cfg.topk_group,
