@@ -14,7 +14,7 @@ STATE_MODES = ("paged", "ring")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "npu")
 DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "npu": "bfloat16"}  # by device kind
-FP4_EXPERTS = ("float", "int8")  # EngineConfig.fp4_experts
+FP4_EXPERTS = ("float", "int8", "mxfp4")  # EngineConfig.fp4_experts
 QUANTIZE_FORMATS = ("w8a8-msmodelslim", "w8a8-compressed-tensors")  # `quantize --format`
 
 
@@ -72,7 +72,9 @@ class EngineConfig:
     seed: int = knob(0, "engine sampling seed (for requests that give none)")
     weight_quant: str | None = knob(None, "quantize the W8A8 projections at load", choices=("int8",))
     fp4_experts: str = knob(
-        "float", "official MXFP4 experts: dequantized (exact) or as int8", choices=FP4_EXPERTS
+        "float",
+        "official MXFP4 experts: dequantized (exact), as int8, or kept packed (mxfp4: W4A16)",
+        choices=FP4_EXPERTS,
     )
     graphs: bool = knob(True, "capture decode steps as device graphs (CUDA)")
 

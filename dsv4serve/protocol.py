@@ -288,6 +288,7 @@ class StatsEvent(_Event, frozen=True, tag="stats"):
     num_finished: int = 0
     num_preemptions: int = 0
     uptime_s: float = 0.0
+    weight_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # resident, by weight format
 
 
 Event: TypeAlias = TokenEvent | DoneEvent | ErrorEvent | StatsEvent

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from dsv4serve import Engine, SamplingParams, cli
 from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.layers.formats import dequantize_mxfp4
-from dsv4serve.layers.linear import Int8Weight, quantize_int8
+from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, quantize_int8, resident_bytes
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.deepseek_v4.tiny import make_tiny, tiny_config
 from dsv4serve.models.registry import config_from_dir
@@ -181,15 +181,45 @@ def test_mxfp4_experts_requantized_to_int8(official: tuple[Path, Path], model: D
             assert isinstance(w, torch.Tensor) and torch.equal(w, ref), name
 
 
+def test_mxfp4_experts_stay_packed(official: tuple[Path, Path], model: DeepseekV4Config) -> None:
+    """`fp4_experts="mxfp4"`: each layer's routed experts resident as the checkpoint stores them (the
+    same bytes, a quarter of bf16's), decoding to the float twin exactly; everything else as before."""
+    mx, twin = official
+    got = load_checkpoint(mx, model, dtype=torch.bfloat16, fp4_experts="mxfp4")
+    want = load_checkpoint(twin, model, dtype=torch.float32)
+    stored = load_file(str(mx / "model.safetensors"))
+    packed_bytes = sum(
+        t.numel() * t.element_size()
+        for n, t in stored.items()
+        if expert_slot(n) or (n.endswith(".scale") and expert_slot(n.removesuffix(".scale") + ".weight"))
+    )
+    resident = 0
+    for name, w in got.items():
+        if ".ffn.experts." in name:
+            assert isinstance(w, Mxfp4Weight) and w.shape == want[name].shape, name
+            assert torch.equal(w.dequantized(torch.float32), want[name]), name
+            resident += w.packed.numel() + w.scale.numel()
+        else:
+            assert isinstance(w, torch.Tensor), name
+            assert torch.equal(w.float(), want[name].to(w.dtype).float()), name
+    assert resident == packed_bytes > 0 and resident_bytes(got)["mxfp4"] == packed_bytes
+    with Engine(mx, dtype="bfloat16", page_size=8, max_total_tokens=256, fp4_experts="mxfp4") as engine:
+        held = engine.stats().weight_bytes  # what the engine reports: the experts' bytes as stored
+    assert held["mxfp4"] == packed_bytes and set(held) == {"bfloat16", "float32", "int64", "mxfp4"}, held
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(2)
     return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (7, 40)]
 
 
-def test_engine_on_mxfp4_equals_its_float_twin(official: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("fp4_experts", ["float", "mxfp4"])
+def test_engine_on_mxfp4_equals_its_float_twin(official: tuple[Path, Path], fp4_experts: str) -> None:
+    """Decoded at load (float) or kept packed and decoded per call (mxfp4): the same greedy tokens
+    and every logit equal the float twin's (fp32; MXFP4 values are exact in fp32 and bf16)."""
     mx, twin = official
     want = engine_traces(twin, _prompts(), 4, ENGINE)
-    got = engine_traces(mx, _prompts(), 4, ENGINE)
+    got = engine_traces(mx, _prompts(), 4, ENGINE.with_(fp4_experts=fp4_experts))
     for g, w in zip(got, want, strict=True):
         assert g.tokens == w.tokens
         assert all(torch.equal(a, b) for a, b in zip(g.logits, w.logits, strict=True))
@@ -463,8 +493,11 @@ def test_experts_mixing_formats_are_refused(
     del mixed[name[:-7] + ".scale"]
     src = write_dir(small, tmp_path / "mx", mixed, config)
     load_checkpoint(src, model, dtype=torch.float32)  # dequantized: all float, fine
-    with pytest.raises(CheckpointError, match=rf"{name}: experts of layers\.3\.ffn\.experts\.w2 mix int8"):
-        load_checkpoint(src, model, dtype=torch.float32, fp4_experts="int8")
+    for kept in ("int8", "mxfp4"):  # one expert float among packed or int8 ones: refused, named
+        with pytest.raises(
+            CheckpointError, match=rf"{name}: experts of layers\.3\.ffn\.experts\.w2 mix formats"
+        ):
+            load_checkpoint(src, model, dtype=torch.float32, fp4_experts=kept)
     quant = ct_config()
     quant["ignore"].append("re:.*layers\\.3\\.ffn\\.experts\\.6\\.w2$")
     file, _ = ct_tensors(tensors)

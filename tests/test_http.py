@@ -277,6 +277,8 @@ def test_metrics_parse_as_prometheus_text(served: ServedModel, client: openai.Op
         "dsv4serve_preemptions",
     ):
         assert name in families, name
+    weights = {s.labels["format"]: s.value for s in families["dsv4serve_weight_bytes"].samples}
+    assert weights and all(v > 0 for v in weights.values()), weights
     pools = {s.labels["pool"] for s in families["dsv4serve_pool_capacity_slots"].samples}
     assert pools == set(served.pool_usage())
     ttft = [s for s in families["dsv4serve_time_to_first_token_seconds"].samples if s.name.endswith("_count")]

@@ -1,7 +1,7 @@
-"""Triton routed experts (grouped GEMM over the chosen experts only) against the reference: float and
-int8, decode-sized and prefill-sized batches, experts with no tokens, an expert twice for one token's
-slots never (top-k ids are distinct) but many tokens on one expert; int32 ids, as the router gives
-them (interpreter on CPU)."""
+"""Triton routed experts (grouped GEMM over the chosen experts only) against the reference: float,
+int8 and MXFP4 (packed, decoded in registers), decode-sized and prefill-sized batches, experts with no
+tokens, an expert twice for one token's slots never (top-k ids are distinct) but many tokens on one
+expert; int32 ids, as the router gives them (interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4serve.backends.cuda.experts import align, align_torch, grouped_mm_experts, routed_experts
-from dsv4serve.layers.linear import quantize_int8
+from dsv4serve.layers.linear import Mxfp4Weight, quantize_int8
 from dsv4serve.moe.experts import gate_up_view, routed_experts_reference, swiglu
 from dsv4serve.moe.routing import gating_top_k
 from tests.kernel_cases import on_device
@@ -88,6 +88,45 @@ def test_int8_experts_match_reference(tokens: int) -> None:
     want = routed_experts_reference(x, weights, ids, q1, q2, q3, 1.0)
     got = routed_experts(x, weights, ids, q1, q2, q3, 1.0)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def random_mxfp4(shape: tuple[int, ...], gen: torch.Generator) -> Mxfp4Weight:
+    """Random packed e2m1 pairs and ue8m0 scales around 2^-(log2 sqrt(in) + 2): values ~ 1/sqrt(in)."""
+    *lead, out, inner = shape
+    centre = 127 - round(inner**0.5).bit_length() - 1
+    packed = torch.randint(0, 256, (*lead, out, inner // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(centre - 1, centre + 2, (*lead, out, inner // 32), generator=gen).to(torch.uint8)
+    return Mxfp4Weight(on_device(packed), on_device(scale))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "dtype", "shared"),
+    [
+        (1, torch.float32, False),
+        (9, torch.float32, True),
+        (5, torch.bfloat16, False),
+        (1100, torch.float32, True),
+    ],
+)
+def test_mxfp4_experts_match_reference(tokens: int, dtype: torch.dtype, shared: bool) -> None:
+    """Packed experts (hidden 96: not a multiple of the 128-wide K tile; inter 64), the reference
+    decoding them per call: the same function as the float experts of the decoded values. 1100 tokens
+    x 2 slots: the prefill tiles. With a float shared expert (computed on its own, then added)."""
+    gen = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter = 8, 96, 64
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = gating_top_k(x @ torch.randn(experts, hidden, generator=gen).T, 2, norm_type=2)
+    w1, w3 = (random_mxfp4((experts, inter, hidden), gen) for _ in range(2))
+    w2 = random_mxfp4((experts, hidden, inter), gen)
+    extra = tuple(on_device(torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(dtype)
+                  for s in ((inter, hidden), (hidden, inter), (inter, hidden)))  # fmt: skip
+    x, weights, ids = on_device(x.to(dtype)), on_device(weights.to(dtype)), on_device(ids)
+    want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0, extra if shared else None)
+    got = routed_experts(x, weights, ids, w1, w2, w3, 1.0, extra if shared else None)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 2e-2
 
 
 def test_experts_as_views_of_a_stacked_gate_up_weight() -> None:

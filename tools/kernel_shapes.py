@@ -12,7 +12,7 @@ from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.backends.cuda import backend as triton_backend
 from dsv4serve.backends.cuda.experts import grouped_mm_experts
 from dsv4serve.layers import mhc
-from dsv4serve.layers.linear import quantize_int8
+from dsv4serve.layers.linear import Mxfp4Weight, quantize_int8
 from tests.kernel_cases import kernel_model, make_case, pool_of
 
 FLASH = {
@@ -128,6 +128,14 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
     if dtype == "bfloat16":
         q1, q2, q3 = (quantize_int8(w.float()) for w in (w1, w2, w3))
         ops.routed_experts(x, weights, ids, q1, q2, q3, 10.0)
+        hf, inf = -(-hidden // 32) * 32, -(-I_ // 32) * 32  # MXFP4 rows: multiples of 32
+        f1, f2, f3 = (  # packed MXFP4 (official experts), W4A16, with the shared expert in bf16
+            Mxfp4Weight(torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8),
+                        torch.full((E, n, k // 32), 120, dtype=torch.uint8))
+            for n, k in ((inf, hf), (hf, inf), (inf, hf))
+        )  # fmt: skip
+        plain = tuple(torch.randn(n, k).to(tdt) for n, k in ((inf, hf), (hf, inf), (inf, hf)))
+        ops.routed_experts(torch.randn(T, hf).to(tdt), weights, ids, f1, f2, f3, 10.0, plain)
         if hasattr(torch, "_grouped_mm"):  # the prefill path's kernels around torch's grouped GEMM
             grouped_mm_experts(x, weights, ids, w1, w2, w3, 10.0)
 

@@ -80,6 +80,7 @@ class Parts:
     write_locs: WriteLocsFn
     launch: LaunchFn
     max_token_chars: int | None = None  # the longest token's text (None: no early length check)
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # resident weight bytes by format
 
 
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
@@ -126,6 +127,7 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
         max_token_chars=max_token_chars(tok),
         write_locs=write_locs,
         launch=launch,
+        weight_bytes=runner.weight_bytes,
     )
 
 
@@ -144,6 +146,7 @@ class EngineHandle:
         self.model = parts.model
         self.decoder = parts.decoder  # token strings for front doors (logprobs)
         self._allocator = parts.allocator
+        self._weight_bytes = parts.weight_bytes
         self._front, self._clients, self._gauges, self._nursery = front, clients, gauges, nursery
         self._max_live = options.max_waiting + options.engine.max_num_seqs
         self._started_at = trio.current_time()
@@ -199,6 +202,7 @@ class EngineHandle:
             num_finished=gauges.num_finished,
             num_preemptions=gauges.num_preemptions,
             uptime_s=uptime,
+            weight_bytes=dict(self._weight_bytes),
         )
 
     def pool_usage(self) -> dict[str, tuple[int, int]]:
@@ -223,7 +227,12 @@ async def run_system(
     log = structlog.get_logger().bind(actor="system")
     runner, tok = await trio.to_thread.run_sync(load_model, options)
     parts = parts_of(runner, tok)
-    log.info("loaded", model_dir=str(options.model_dir), pool_pages=parts.allocator.sizes.as_dict())
+    log.info(
+        "loaded",
+        model_dir=str(options.model_dir),
+        pool_pages=parts.allocator.sizes.as_dict(),
+        weight_bytes=parts.weight_bytes,
+    )
     await run_actors(parts, options, task_status=task_status)
 
 

@@ -20,7 +20,7 @@ from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.executor.graphs import DecodeGraphs, GraphKey
 from dsv4serve.executor.inputs import SamplingFlags, host_words, spans
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
-from dsv4serve.layers.linear import Weight, quantize_weights_int8
+from dsv4serve.layers.linear import Weight, quantize_weights_int8, resident_bytes
 from dsv4serve.memory.buffers import LayoutBuffers
 from dsv4serve.memory.layout import ServedModelConfig
 from dsv4serve.memory.paged import PoolSizes
@@ -143,6 +143,7 @@ class ModelRunner:
         self.tables.point_pad_row_at(self.cache.state_sentinel)
         if engine.weight_quant == "int8":
             weights = quantize_weights_int8(weights, _int8_names(spec, cfg))
+        self.weight_bytes = resident_bytes(weights)  # by format, as held on the device
         self.model = spec.build(cfg, weights, ModelContext(engine, self.ops, self.cache, self.tables))
         compressed = [p.ratio for p in cfg.kv_layout.pools if p.index == "compressed"]
         self.ratios = tuple(sorted(compressed))

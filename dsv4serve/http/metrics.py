@@ -32,6 +32,12 @@ class _EngineCollector(Collector):
             cap.add_metric([name], pool.capacity)
         yield used
         yield cap
+        weights = GaugeMetricFamily(
+            "dsv4serve_weight_bytes", "Resident weight bytes by format", labels=["format"]
+        )
+        for fmt, n in sorted(s.weight_bytes.items()):
+            weights.add_metric([fmt], n)
+        yield weights
         yield CounterMetricFamily("dsv4serve_preemptions", "Preemptions", s.num_preemptions)
         yield CounterMetricFamily("dsv4serve_engine_steps", "Engine steps", s.num_steps)
         yield CounterMetricFamily("dsv4serve_requests_finished", "Requests finished", s.num_finished)

@@ -24,7 +24,8 @@ def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 exponent bytes (float8_e8m0fnu or uint8) -> fp32 2^(e-127); 0xFF -> NaN."""
     raw = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
     assert raw.dtype == torch.uint8, raw.dtype
-    out = torch.ldexp(torch.ones(raw.shape, dtype=torch.float32), raw.to(torch.int32) - 127)
+    ones = torch.ones(raw.shape, dtype=torch.float32, device=raw.device)
+    out = torch.ldexp(ones, raw.to(torch.int32) - 127)
     return out.masked_fill(raw == 0xFF, math.nan)
 
 
@@ -54,6 +55,6 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         )
     raw = packed.view(torch.uint8)
     codes = torch.stack((raw & 0x0F, raw >> 4), dim=-1).reshape(n, k)  # (N, K): low nibble first
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]  # (N, K)
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=raw.device)[codes.long()]  # (N, K)
     s = decode_e8m0(scale.view(torch.uint8)).repeat_interleave(MXFP4_BLOCK, dim=1)  # (N, K)
     return (values * s).to(dtype)

@@ -1,9 +1,12 @@
 """The linear op family and the weight formats the model math is agnostic of: every projection goes
 through `linear(x, w)`.
 
-A weight is either a plain tensor (bf16 / fp16 / fp32; official FP8 blocks are dequantized at load)
-or an `Int8Weight`: W8A8 dynamic int8 with a symmetric per-output-channel weight scale and a
-symmetric per-token activation scale, as compressed-tensors and msModelSlim checkpoints store it.
+A weight is a plain tensor (bf16 / fp16 / fp32; official FP8 blocks are dequantized at load), an
+`Int8Weight`: W8A8 dynamic int8 with a symmetric per-output-channel weight scale and a symmetric
+per-token activation scale, as compressed-tensors and msModelSlim checkpoints store it, or an
+`Mxfp4Weight`: the official checkpoints' packed MXFP4 routed experts kept as stored, W4A16 (the
+activations stay in their dtype; every decoded weight is exact in bf16, so the product equals the
+float product of the decoded weight).
 This module holds the pure-PyTorch reference; device backends replace `linear` with fused kernels of
 the same signature (e.g. torch_npu's quantized matmul).
 """
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from dsv4serve.layers.formats import MXFP4_BLOCK, dequantize_mxfp4
 
 INT8_MAX = 127.0
 
@@ -34,7 +39,40 @@ class Int8Weight:
         return self.qweight.shape
 
 
-Weight = torch.Tensor | Int8Weight
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """Packed e2m1 pairs (..., out, in / 2) uint8 (the low nibble the even element) with ue8m0 scales
+    (..., out, in / 32) uint8, as the official checkpoints store routed experts; stacked experts index
+    like a tensor. `shape` is the logical (..., out, in)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        p, s = self.packed, self.scale
+        if p.dtype != torch.uint8 or s.dtype != torch.uint8:
+            raise ValueError(f"MXFP4 weight as uint8 packed values and scales, not {p.dtype} / {s.dtype}")
+        if p.shape[:-1] != s.shape[:-1] or 2 * p.shape[-1] != MXFP4_BLOCK * s.shape[-1]:
+            raise ValueError(f"MXFP4 packed {tuple(p.shape)} with scales {tuple(s.shape)}")
+
+    def __getitem__(self, index: int) -> Mxfp4Weight:
+        return Mxfp4Weight(self.packed[index], self.scale[index])
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.packed.shape[:-1], 2 * self.packed.shape[-1]))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The decoded (..., out, in) weight (exact in bf16 and fp32)."""
+        rows = self.packed.reshape(-1, self.packed.shape[-1])
+        flat = dequantize_mxfp4(rows, self.scale.reshape(-1, self.scale.shape[-1]), dtype)
+        return flat.view(self.shape)
+
+    def to(self, device: str | torch.device) -> Mxfp4Weight:
+        return Mxfp4Weight(self.packed.to(device), self.scale.to(device))
+
+
+Weight = torch.Tensor | Int8Weight | Mxfp4Weight
 Weights = dict[str, Weight]  # a model's tensors by name, as the loader hands them to its builder
 
 
@@ -62,6 +100,8 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x (..., in) @ w^T -> (..., out) in x's dtype."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
+    if isinstance(w, Mxfp4Weight):  # decoded per call: the weights stay packed in memory
+        return F.linear(x, w.dequantized(x.dtype))
     flat = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_activation(flat)
     # int8 x int8 products summed in fp32: exact while |sum| < 2**24, i.e. for in-features <= 1040
@@ -78,3 +118,24 @@ def quantize_weights_int8(weights: Mapping[str, Weight], names: Collection[str])
         name: quantize_int8(w) if isinstance(w, torch.Tensor) and name in names else w
         for name, w in weights.items()
     }
+
+
+def resident_bytes(weights: Mapping[str, Weight]) -> dict[str, int]:
+    """Device bytes of a model's weights by format: `int8` (values and scales), `mxfp4` (packed values
+    and scales), else the tensor's dtype name; a tensor held under two names (tied) counted once."""
+    seen: set[tuple[int, int, torch.dtype]] = set()
+    out: dict[str, int] = {}
+    for w in weights.values():
+        parts: tuple[torch.Tensor, ...]
+        if isinstance(w, Int8Weight):
+            fmt, parts = "int8", (w.qweight, w.scale)
+        elif isinstance(w, Mxfp4Weight):
+            fmt, parts = "mxfp4", (w.packed, w.scale)
+        else:
+            fmt, parts = str(w.dtype).removeprefix("torch."), (w,)
+        for t in parts:
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if key not in seen or t.numel() == 0:
+                seen.add(key)
+                out[fmt] = out.get(fmt, 0) + t.numel() * t.element_size()
+    return dict(sorted(out.items()))

@@ -14,8 +14,10 @@ fp32, int64 stays, else `dtype`) and moved to `device`; each layer's routed expe
 An msModelSlim directory (Ascend W8A8, marked by `quant_model_description.json`, tensors in
 `quant_model_weights*.safetensors`, shards listed by `quant_model_weights.safetensors.index.json`)
 names each tensor's quant type; a compressed-tensors one says it in its `quantization_config`. Official
-MXFP4 routed experts are decoded (`fp4_experts="float"`, exact) or decoded and re-quantized to
-per-channel int8 (`fp4_experts="int8"`). `iter_weights` yields the same values one tensor at a time,
+MXFP4 routed experts are decoded (`fp4_experts="float"`, exact), decoded and re-quantized to
+per-channel int8 (`fp4_experts="int8"`), or kept packed as `Mxfp4Weight` (`fp4_experts="mxfp4"`: a
+quarter of bf16's bytes; the reference decodes per call, the CUDA backend's expert kernels in
+registers). `iter_weights` yields the same values one tensor at a time,
 experts unstacked (what `quantize` streams through).
 """
 
@@ -33,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 
 from dsv4serve.config import FP4_EXPERTS
 from dsv4serve.layers.formats import FP8_BLOCK, dequantize_mxfp4
-from dsv4serve.layers.linear import Int8Weight, Weight, quantize_int8
+from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, Weight, quantize_int8
 from dsv4serve.models.formats import (
     INT8_SUFFIXES,
     MAX_NAMES,
@@ -196,6 +198,8 @@ def _value(
         return int8_weight(name, raw, scale, offset)
     if scale is not None and is_mxfp4(name, item.weight.dtype):
         try:
+            if fp4_experts == "mxfp4":
+                return Mxfp4Weight(raw.view(torch.uint8), scale.view(torch.uint8))
             value = dequantize_mxfp4(raw, scale, torch.float32 if fp4_experts == "int8" else dtype)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
@@ -414,7 +418,7 @@ def _place(
 ) -> None:
     slot = naming.expert(name)
     if slot is None:
-        out[name] = value.to(device) if isinstance(value, torch.Tensor) else _int8_to(value, device)
+        out[name] = _int8_to(value, device) if isinstance(value, Int8Weight) else value.to(device)
         return
     stacked, expert = slot
     if stacked not in out:
@@ -423,10 +427,13 @@ def _place(
     if isinstance(value, Int8Weight) and isinstance(target, Int8Weight):
         target.qweight[expert].copy_(value.qweight)
         target.scale[expert].copy_(value.scale)
+    elif isinstance(value, Mxfp4Weight) and isinstance(target, Mxfp4Weight):
+        target.packed[expert].copy_(value.packed)
+        target.scale[expert].copy_(value.scale)
     elif isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor):
         target[expert].copy_(value)
     else:  # int8 checkpoints are checked before (check_uniform_experts); MXFP4 with int8 is not
-        raise CheckpointError(f"{name}: experts of {stacked} mix int8 and float (e.g. MXFP4 and bf16)")
+        raise CheckpointError(f"{name}: experts of {stacked} mix formats (e.g. MXFP4 and bf16)")
 
 
 def _int8_to(w: Int8Weight, device: str) -> Int8Weight:
@@ -445,6 +452,13 @@ def _empty_stacks(
             return {stacked: torch.empty((num, *value.shape), dtype=value.dtype, device=device)}
         w1, w3 = stacked_gate_up((num, *value.shape), value.dtype, device)
         return {f"{stem}.w1": w1, f"{stem}.w3": w3}
+    if isinstance(value, Mxfp4Weight):
+        return {
+            stacked: Mxfp4Weight(
+                torch.empty((num, *value.packed.shape), dtype=torch.uint8, device=device),  # (E, out, in/2)
+                torch.empty((num, *value.scale.shape), dtype=torch.uint8, device=device),  # (E, out, in/32)
+            )
+        }
     return {
         stacked: Int8Weight(
             torch.empty((num, *value.qweight.shape), dtype=torch.int8, device=device),  # (E, out, in)

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4serve.config import QUANTIZE_FORMATS
-from dsv4serve.layers.linear import Int8Weight, Weight, quantize_int8
+from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, Weight, quantize_int8
 from dsv4serve.models.formats import (
     CT_FORMAT,
     CT_LINEAR,
@@ -149,6 +149,8 @@ def _quantized(
     int64 where the official checkpoint keeps them so)."""
     keep_float = spec.msmodelslim_float if fmt == MSMODELSLIM else ()
     for name, value in weights:
+        if isinstance(value, Mxfp4Weight):  # packed MXFP4 experts: their exact float values
+            value = value.dequantized(torch.float32)
         if isinstance(value, Int8Weight):  # an int8 input: kept (layouts differ only in companions)
             yield name, value
         elif schema[name].int8 and not name.endswith(keep_float):
@@ -170,6 +172,7 @@ def _described(
             description[name] = QUANT_FLOAT
             yield name, value.contiguous()
             continue
+        assert isinstance(value, Int8Weight), name  # `_quantized` decodes MXFP4
         base = name.removesuffix(".weight")
         scale = value.scale.float().reshape(-1, 1).contiguous()  # (out, 1)
         parts = {name: value.qweight.contiguous(), base + WEIGHT_SCALE: scale}

@@ -1,5 +1,5 @@
 """Triton routed experts: a grouped GEMM over the chosen experts only (the contract of
-`experts.routed_experts_reference`), float or W8A8 int8.
+`experts.routed_experts_reference`), float, W8A8 int8 or MXFP4 (W4A16).
 
 1. align (torch ops, fixed shapes, no host sync): the T*k (token, slot) pairs sorted by expert (stable),
    each expert's run padded to a multiple of BLOCK_M; every block of BLOCK_M pairs has one expert.
@@ -7,7 +7,9 @@
 3. down: per block, times W2[e], scaled by each pair's routing weight, one row per pair.
 4. reduce: each token sums its k rows in slot order (fixed: the result never depends on the batch).
 Blocks past the last real one (the grid is sized for the worst case) do nothing. int8 quantizes x per
-token and the SwiGLU output per pair (the reference's per-row activation quantization).
+token and the SwiGLU output per pair (the reference's per-row activation quantization). MXFP4 decodes
+each weight tile in registers (e2m1 pairs times their power-of-two scale: exact in bf16), then runs
+the float path's products: the bytes read are a quarter of bf16's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton.language as tl
 
 from dsv4serve.backends.cuda.linear import linear, quantize_rows
 from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2
-from dsv4serve.layers.linear import Int8Weight, Weight
+from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, Weight
 from dsv4serve.moe.experts import gate_up_view, swiglu
 
 SMALL_ALIGN = 1024  # at most this many pairs: align in one Triton program instead of a dozen torch ops
@@ -145,6 +147,32 @@ def _block_pairs(
 
 
 @triton.jit
+def _e2m1(code):
+    """e2m1 codes (0..15, bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa) -> fp32."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e, 1) - 1).to(tl.float32))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _fp4_tile(packed_rows, scale_rows, nmask, k0, K, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, BLOCK_K) weights of columns k0.. decoded: packed_rows (BLOCK_N,) pointers to each row's
+    e2m1 pairs (K / 2 bytes, low nibble first), scale_rows to its ue8m0 exponents (one per 32)."""
+    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(packed_rows[:, None] + j[None, :], mask=nmask[:, None] & (2 * j < K)[None, :], other=0)
+    pairs = tl.join(_e2m1(byte & 15), _e2m1(byte >> 4))  # (N, K / 2, 2): elements 2j, 2j + 1
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    raw = tl.load(scale_rows[:, None] + g[None, :], mask=nmask[:, None] & (32 * g < K)[None, :], other=127)
+    raw = raw.to(tl.int32)
+    scale = (raw << 23).to(tl.float32, bitcast=True)  # 2^(raw - 127), exact
+    scale = tl.where(raw == 0, 5.877471754111438e-39, tl.where(raw == 255, float("nan"), scale))
+    w = tl.reshape(pairs, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DTYPE)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     x_scale_ptr,
@@ -169,6 +197,7 @@ def _gate_up_kernel(
     stride_w3,
     limit,
     INT8: tl.constexpr,
+    FP4: tl.constexpr,
     FP32: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -179,7 +208,7 @@ def _gate_up_kernel(
     enter(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    DTYPE = h_ptr.dtype.element_ty
+    DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     live, shared, ee, r, pair, pmask = _block_pairs(
         block_expert_ptr, pairs_ptr, b, NUM_EXPERTS, NUM_PAIRS, HAS_SHARED, BLOCK_M
     )
@@ -190,15 +219,24 @@ def _gate_up_kernel(
     w_rows = n.to(tl.int64)[:, None] * HIDDEN
     w1_rows = tl.where(shared, sw1_ptr + w_rows, w1_ptr + ee * stride_w1 + w_rows)
     w3_rows = tl.where(shared, sw3_ptr + w_rows, w3_ptr + ee * stride_w3 + w_rows)
+    if FP4:  # packed rows of HIDDEN / 2 bytes, scale rows of HIDDEN / 32 (the shared expert never rides)
+        p1 = w1_ptr + ee * stride_w1 + n.to(tl.int64) * (HIDDEN // 2)
+        p3 = w3_ptr + ee * stride_w3 + n.to(tl.int64) * (HIDDEN // 2)
+        c1 = s1_ptr + (ee * INTER + n.to(tl.int64)) * (HIDDEN // 32)
+        c3 = s3_ptr + (ee * INTER + n.to(tl.int64)) * (HIDDEN // 32)
     for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < HIDDEN
         a = tl.load(
             x_ptr + tok[:, None] * stride_x + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
         )
-        wmask = nmask[:, None] & kmask[None, :]
-        w1 = tl.load(w1_rows + k[None, :], mask=wmask, other=0)
-        w3 = tl.load(w3_rows + k[None, :], mask=wmask, other=0)
+        if FP4:
+            w1 = _fp4_tile(p1, c1, nmask, k0, HIDDEN, DTYPE, BLOCK_N, BLOCK_K)
+            w3 = _fp4_tile(p3, c3, nmask, k0, HIDDEN, DTYPE, BLOCK_N, BLOCK_K)
+        else:
+            wmask = nmask[:, None] & kmask[None, :]
+            w1 = tl.load(w1_rows + k[None, :], mask=wmask, other=0)
+            w3 = tl.load(w3_rows + k[None, :], mask=wmask, other=0)
         if FP32:
             acc_g += tl.dot(a, tl.trans(w1), input_precision="ieee")
             acc_u += tl.dot(a, tl.trans(w3), input_precision="ieee")
@@ -239,6 +277,7 @@ def _down_kernel(
     INTER,
     stride_w2,
     INT8: tl.constexpr,
+    FP4: tl.constexpr,
     FP32: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -249,18 +288,24 @@ def _down_kernel(
     enter(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    DTYPE = y_ptr.dtype.element_ty
+    DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     live, shared, ee, r, pair, pmask = _block_pairs(
         block_expert_ptr, pairs_ptr, b, NUM_EXPERTS, NUM_PAIRS, HAS_SHARED, BLOCK_M
     )
     nmask = n < HIDDEN
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
     w_rows = tl.where(shared, sw2_ptr, w2_ptr + ee * stride_w2) + n.to(tl.int64)[:, None] * INTER
+    if FP4:
+        p2 = w2_ptr + ee * stride_w2 + n.to(tl.int64) * (INTER // 2)
+        c2 = s2_ptr + (ee * HIDDEN + n.to(tl.int64)) * (INTER // 32)
     for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < INTER
         a = tl.load(h_ptr + r[:, None] * INTER + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0)
-        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+        if FP4:
+            w = _fp4_tile(p2, c2, nmask, k0, INTER, DTYPE, BLOCK_N, BLOCK_K)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
         if FP32:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
@@ -412,7 +457,9 @@ def _sum_pairs_kernel(
 
 
 def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return (w.qweight, w.scale) if isinstance(w, Int8Weight) else (w, None)
+    if isinstance(w, Int8Weight):
+        return w.qweight, w.scale
+    return (w.packed, w.scale) if isinstance(w, Mxfp4Weight) else (w, None)
 
 
 def routed_experts(
@@ -434,17 +481,22 @@ def routed_experts(
     T, hidden = x.shape
     num_experts, inter, _ = w1.shape
     assert x.is_contiguous() and ids.shape == weights.shape and w2.shape == (num_experts, hidden, inter)
-    int8 = isinstance(w1, Int8Weight)
+    int8, fp4 = isinstance(w1, Int8Weight), isinstance(w1, Mxfp4Weight)
     assert int8 == isinstance(w2, Int8Weight) == isinstance(w3, Int8Weight)
-    fused = shared is not None and all(
-        isinstance(s, Int8Weight) == int8 and s.shape[-2:] == w.shape[1:]
-        for s, w in zip(shared, (w1, w2, w3), strict=True)
+    assert fp4 == isinstance(w2, Mxfp4Weight) == isinstance(w3, Mxfp4Weight)
+    fused = (
+        not fp4
+        and shared is not None
+        and all(  # MXFP4: the shared expert (not MXFP4) on its own
+            isinstance(s, Int8Weight) == int8 and s.shape[-2:] == w.shape[1:]
+            for s, w in zip(shared, (w1, w2, w3), strict=True)
+        )
     )
     if T == 0:
         return torch.zeros_like(x)
     fp32 = x.dtype == torch.float32
     prefill_mm = GROUPED_MM_PREFILL and T * ids.shape[1] > 2048 and x.dtype == torch.bfloat16 and x.is_cuda
-    prefill_mm = prefill_mm and not int8
+    prefill_mm = prefill_mm and not int8 and not fp4
     plain_shared = shared is None or all(isinstance(s, torch.Tensor) for s in shared)
     if prefill_mm and plain_shared:
         assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
@@ -466,24 +518,29 @@ def routed_experts(
     (sq1, ss1), (sq3, ss3) = (
         (_parts(shared[0]), _parts(shared[2])) if shared is not None else ((q1, s1), (q3, s3))
     )
+    row = hidden // 2 if fp4 else hidden
     for w in (q1, q3, sq1, sq3):
-        assert w.stride(-1) == 1 and w.stride(-2) == hidden, "experts: rows of each expert contiguous"
+        assert w.stride(-1) == 1 and w.stride(-2) == row, "experts: rows of each expert contiguous"
+    for s in (s1, s3) if fp4 else ():
+        assert s is not None and s.is_contiguous(), "MXFP4 experts: scales (E, out, in / 32) contiguous"
+    scaled = int8 or fp4
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
-        a, a_scale, q1, q3, s1 if int8 else a, s3 if int8 else a, sq1, sq3, ss1 if int8 else a,
+        a, a_scale, q1, q3, s1 if scaled else a, s3 if scaled else a, sq1, sq3, ss1 if int8 else a,
         ss3 if int8 else a, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
         a.stride(0), q1.stride(0), q3.stride(0), limit,
-        INT8=int8, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        INT8=int8, FP4=fp4, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3, **launch_options(a),
     )  # fmt: skip
     a2, a2_scale = quantize_rows(h) if int8 else (h, h)
     q2, s2 = _parts(w2)
     sq2, ss2 = _parts(shared[1]) if shared is not None else (q2, s2)
-    assert q2.stride(-1) == 1 and q2.stride(-2) == inter and sq2.stride(-1) == 1
+    assert q2.stride(-1) == 1 and q2.stride(-2) == (inter // 2 if fp4 else inter) and sq2.stride(-1) == 1
+    assert s2 is None or s2.is_contiguous()
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
-        a2, a2_scale, q2, s2 if int8 else a2, sq2, ss2 if int8 else a2, pairs, block_expert,
+        a2, a2_scale, q2, s2 if scaled else a2, sq2, ss2 if int8 else a2, pairs, block_expert,
         weights.contiguous(), y, num_pairs, num_experts, routed, hidden, inter, q2.stride(0),
-        INT8=int8, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        INT8=int8, FP4=fp4, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3, **launch_options(a2),
     )  # fmt: skip
     out = torch.empty_like(x)

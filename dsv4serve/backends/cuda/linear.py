@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from dsv4serve.backends.cuda.triton_utils import arrival_counters, enter, launch_options, pow2
-from dsv4serve.layers.linear import INT8_MAX, Int8Weight, Weight
+from dsv4serve.layers.linear import INT8_MAX, Int8Weight, Mxfp4Weight, Weight
+from dsv4serve.layers.linear import linear as reference_linear
 
 SKINNY_MAX_M = 16
 TARGET_PROGRAMS = 264  # about two per SM of an H200
@@ -199,7 +200,10 @@ def gemm(
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x (..., in) @ w^T -> (..., out) in x's dtype."""
+    """x (..., in) @ w^T -> (..., out) in x's dtype (MXFP4, only routed experts' format: the
+    reference's per-call decode)."""
+    if isinstance(w, Mxfp4Weight):
+        return reference_linear(x, w)
     rows = x.reshape(-1, x.shape[-1])
     if isinstance(w, Int8Weight):
         q, s = quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())

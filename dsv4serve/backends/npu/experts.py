@@ -92,6 +92,7 @@ class _GroupedRows:
         common = {"group_list": self.counts, "group_list_type": 1, "group_type": 0, "split_item": 2}
         if isinstance(w, torch.Tensor):
             return self.npu.npu_grouped_matmul([self.rows], [w.transpose(1, 2)], **common)[0]
+        assert isinstance(w, Int8Weight), "npu experts: float or int8 weights (MXFP4 runs the reference)"
         if self._quantized is None:
             self._quantized = self.npu.npu_dynamic_quant(self.rows)  # (rows, in) int8, (rows,) fp32
         xq, xs = self._quantized
