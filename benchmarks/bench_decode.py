@@ -4,7 +4,13 @@ roofline. Prints JSON.
 
     python benchmarks/bench_decode.py [--model deepseek_v4|glm4_moe_lite] [--layers 4] [--experts N] \
         [--batches 1 8 64] [--contexts 1024 8192] [--engine-contexts 1024] [--prefills 1x1024 8x1024] \
-        [--steps 16] [--out FILE]
+        [--steps 16] [--weights bf16|official] [--out FILE]
+
+`--weights official` (DeepSeek-V4): the random weights as the official checkpoint stores them, the
+routed experts MXFP4 (kept packed by the engine: `Mxfp4Weight`) and the FP8 linears quantized in
+128 x 128 blocks (the engine still holds those in bf16, dequantized); transformers runs the very values
+they encode (written back into its parameters), so both compute the same function. The roofline then
+counts the bytes the engine reads in each format (the JSON's top-level `"weights"` names it).
 
 `--experts` defaults to the model's own (256 routed experts for DeepSeek-V4-Flash, 64 for
 GLM-4.7-Flash); `--layers` keeps the model's first layers (GLM-4.7-Flash's first is dense).
@@ -56,6 +62,8 @@ from dsv4serve.config import EngineConfig
 from dsv4serve.executor.graphs import _Graph
 from dsv4serve.executor.inputs import forward_batch
 from dsv4serve.executor.runner import ModelRunner
+from dsv4serve.layers.formats import dequantize_fp8_block, quantize_fp8_block, quantize_mxfp4
+from dsv4serve.layers.linear import Mxfp4Weight, resident_bytes
 from dsv4serve.memory.sizing import engine_pool_sizes
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.deepseek_v4.names import official_weights
@@ -308,6 +316,27 @@ def matmul_floor_ms(run: Any, device: str) -> float:
     return statistics.median(times[1:])
 
 
+def official_formats(weights: dict[str, Any], cfg: Any, model_type: str) -> dict[str, Any]:
+    """The engine's weights as the official checkpoint stores them: MXFP4 experts kept packed, FP8
+    linears quantized and held dequantized. Each tensor is a view of transformers' parameter: the values
+    the formats encode are written back, so transformers computes the same function."""
+    if model_type != "deepseek_v4":
+        raise SystemExit(f"--weights official: only DeepSeek-V4 ships FP8 + MXFP4 weights, not {model_type}")
+    spec = spec_for(model_type)
+    schema = loaded_schema(spec.schema(cfg), spec.names(cfg))
+    out = dict(weights)
+    with torch.no_grad():
+        for name, w in weights.items():
+            disk = schema[name].disk
+            if disk == "mxfp4":
+                packed = Mxfp4Weight(*quantize_mxfp4(w))
+                w.copy_(packed.dequantized(w.dtype))
+                out[name] = packed
+            elif disk == "fp8":
+                w.copy_(dequantize_fp8_block(*quantize_fp8_block(w), w.dtype))
+    return out
+
+
 def weight_bytes(model: Any, batch: int) -> tuple[int, int]:
     """(non-expert weight bytes a decode step reads, bytes of one routed expert)."""
     nonexpert, per_expert = 0, 0
@@ -531,6 +560,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true", help="tiny dimensions on the CPU: checks the flow")
     parser.add_argument("--sample-engine", action="store_true", help="where the engine's threads spend time")
+    parser.add_argument(
+        "--weights", choices=("bf16", "official"), default="bf16", help="the weights' formats"
+    )
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     torch.manual_seed(0)
@@ -539,6 +571,7 @@ def main() -> None:
     family = FAMILIES[args.model]
     experts = args.experts or family.experts
     REPORT.update(gpu=gpu, torch=torch.__version__, model=args.model, layers=args.layers, experts=experts)
+    REPORT["weights"] = args.weights
     bandwidth = copy_bandwidth(device, 0.25 if args.dry_run else 4.0)
     REPORT["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
     raw = family.raw_config(args.layers, experts, args.dry_run)
@@ -559,7 +592,11 @@ def main() -> None:
     sizes = engine_pool_sizes(cfg, engine)
     if "swa" in sizes.names:
         sizes = sizes.with_(swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
-    runner = ModelRunner.from_weights(cfg, family.engine_weights(hf, cfg), engine, sizes)
+    weights = family.engine_weights(hf, cfg)
+    if args.weights == "official":
+        weights = official_formats(weights, cfg, args.model)
+    REPORT["resident_weight_bytes"] = resident_bytes(weights)
+    runner = ModelRunner.from_weights(cfg, weights, engine, sizes)
     core = CoreDriver(runner)
     vocab = cfg.vocab_size
     rng = random.Random(0)
@@ -590,6 +627,8 @@ def main() -> None:
         log("prefill", spec, entry)
         save(args)
     nonexpert, per_expert = weight_bytes(hf, 1)
+    if args.weights == "official":  # an expert's three matrices as MXFP4: 4 bits + a byte per 32
+        per_expert = per_expert // 2 * 17 // 32
     REPORT["decode"] = {}
     for context in args.contexts:
         for batch in args.batches:

@@ -25,16 +25,21 @@ ARGS = [
 ]
 
 
-@pytest.mark.parametrize("model", ["deepseek_v4", "glm4_moe_lite"])
-def test_bench_decode_dry_run(model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "weights"), [("deepseek_v4", "bf16"), ("glm4_moe_lite", "bf16"), ("deepseek_v4", "official")]
+)
+def test_bench_decode_dry_run(model: str, weights: str) -> None:
+    """official: MXFP4 experts resident packed (transformers on the values they encode: the same
+    greedy run), FP8 linears' values; the roofline counts the packed experts' bytes."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model", model, *ARGS,
-         "--steps", "3", "--profile"],
+         "--steps", "3", "--profile", "--weights", weights],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["model"] == model and list(report["prefill"]) == ["2x24"]
+    assert report["model"] == model and list(report["prefill"]) == ["2x24"] and report["weights"] == weights
+    assert ("mxfp4" in report["resident_weight_bytes"]) == (weights == "official")
     assert list(report["decode"]) == ["b1_ctx48", "b3_ctx48"] and list(report["engine"]) == [
         "b1_ctx48",
         "b3_ctx48",

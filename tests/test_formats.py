@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv4serve import Engine, SamplingParams, cli
 from dsv4serve.config import ConfigError, EngineConfig
-from dsv4serve.layers.formats import dequantize_mxfp4
+from dsv4serve.layers.formats import E2M1_VALUES, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
 from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, quantize_int8, resident_bytes
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.deepseek_v4.tiny import make_tiny, tiny_config
@@ -92,6 +92,44 @@ def model(small: Path) -> DeepseekV4Config:
 
 
 # ---------------------------------------------------------------------------------- MXFP4
+
+
+def test_quantize_mxfp4_rounds_to_the_nearest_value_of_its_block() -> None:
+    """Per 32 weights: the smallest power-of-two scale that fits the block's largest magnitude in 6,
+    each weight the nearest of the 16 e2m1 values times it; decoded values are a fixed point."""
+    w = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(4)) * 0.05
+    w[0, 0, :32] = 0.0  # an all-zero block
+    packed, scale = quantize_mxfp4(w)
+    assert (
+        packed.shape == (2, 16, 48)
+        and scale.shape == (2, 16, 3)
+        and packed.dtype == scale.dtype == torch.uint8
+    )
+    got = torch.stack([dequantize_mxfp4(p, s, torch.float64) for p, s in zip(packed, scale, strict=True)])
+    step = torch.exp2(scale.double() - 127).repeat_interleave(32, -1)  # each weight's scale
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    nearest = (w.double()[..., None] - grid * step[..., None]).abs().min(-1).values
+    assert torch.equal((w.double() - got).abs(), nearest)  # the nearest representable value
+    blocks = w.abs().reshape(2, 16, 3, 32).amax(-1).double()
+    fits = blocks <= 6 * torch.exp2(scale.double() - 127)
+    tighter = blocks > 3 * torch.exp2(scale.double() - 127)  # half the scale would not fit
+    assert fits.all() and (tighter | (blocks == 0)).all()
+    again = quantize_mxfp4(got.float())
+    redone = torch.stack([dequantize_mxfp4(p, s, torch.float64) for p, s in zip(*again, strict=True)])
+    assert torch.equal(redone, got)
+
+
+def test_quantize_fp8_block_is_the_official_rounding() -> None:
+    """The package's vectorized FP8 block quantizer (benchmarks build official weights with it) equals
+    the loop written from the format here, on a shape with partial blocks."""
+    from test_loader import quantize_fp8
+
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(5)) * 0.02
+    q, s = quantize_fp8_block(w)
+    want_q, want_s = quantize_fp8(w)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(
+        s, want_s.view(torch.uint8)
+    )
 
 
 def test_dequantize_mxfp4_follows_the_bit_layout() -> None:

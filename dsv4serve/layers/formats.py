@@ -58,3 +58,37 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=raw.device)[codes.long()]  # (N, K)
     s = decode_e8m0(scale.view(torch.uint8)).repeat_interleave(MXFP4_BLOCK, dim=1)  # (N, K)
     return (values * s).to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float (..., N, K) weight as MXFP4, as the official checkpoints store experts: per 32 weights
+    along K the power of two 2^e, e = ceil(log2(amax / 6)) (6: the largest e2m1 magnitude), and each
+    weight / 2^e rounded to the nearest e2m1 value. Returns packed pairs (..., N, K/2) and ue8m0 scales
+    (..., N, K/32), both uint8 (`dequantize_mxfp4` reads them back)."""
+    *lead, n, k = w.shape
+    if k % MXFP4_BLOCK or k % 2:
+        raise ValueError(f"MXFP4 needs in-features a multiple of {MXFP4_BLOCK}, not {k}")
+    blocks = w.float().reshape(*lead, n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-126)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = (blocks / torch.exp2(e)).reshape(*lead, n, k)
+    mags = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
+    index = torch.bucketize(scaled.abs(), (mags[1:] + mags[:-1]) / 2)  # nearest magnitude, 0..7
+    codes = (index | ((scaled < 0).to(index.dtype) << 3)).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (e.squeeze(-1) + 127).to(torch.uint8)
+
+
+def quantize_fp8_block(
+    w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float (N, K) weight as the official FP8 linears store it: per block of 128 x 128 the power of two
+    2^e, e = ceil(log2(amax / 448)) (448: e4m3's largest value; amax at least 1e-4), the weights / 2^e
+    cast to e4m3. Returns the e4m3 (N, K) weight and the ue8m0 scales (N / 128, K / 128) as uint8."""
+    n, k = w.shape
+    bn, bk = block
+    padded = torch.nn.functional.pad(w.float(), (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    e = torch.ceil(torch.log2(blocks.abs().amax(dim=(1, 3)).clamp(min=1e-4) / 448.0))
+    q = (blocks / torch.exp2(e)[:, None, :, None]).to(torch.float8_e4m3fn).view(padded.shape)[:n, :k]
+    return q.contiguous(), (e + 127).to(torch.uint8)
