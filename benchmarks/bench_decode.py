@@ -7,10 +7,10 @@ roofline. Prints JSON.
         [--steps 16] [--weights bf16|official] [--out FILE]
 
 `--weights official` (DeepSeek-V4): the random weights as the official checkpoint stores them, the
-routed experts MXFP4 (kept packed by the engine: `Mxfp4Weight`) and the FP8 linears quantized in
-128 x 128 blocks (the engine still holds those in bf16, dequantized); transformers runs the very values
-they encode (written back into its parameters), so both compute the same function. The roofline then
-counts the bytes the engine reads in each format (the JSON's top-level `"weights"` names it).
+routed experts MXFP4 (kept packed by the engine: `Mxfp4Weight`) and the FP8 linears in 128 x 128
+blocks (kept e4m3 where the model takes them through `linear`: `Fp8BlockWeight`); transformers runs
+the very values they encode (written back into its parameters), so both compute the same function.
+The roofline then counts the bytes the engine reads in each format (the JSON's `"weights"` names it).
 
 `--experts` defaults to the model's own (256 routed experts for DeepSeek-V4-Flash, 64 for
 GLM-4.7-Flash); `--layers` keeps the model's first layers (GLM-4.7-Flash's first is dense).
@@ -63,7 +63,7 @@ from dsv4serve.executor.graphs import _Graph
 from dsv4serve.executor.inputs import forward_batch
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.layers.formats import dequantize_fp8_block, quantize_fp8_block, quantize_mxfp4
-from dsv4serve.layers.linear import Mxfp4Weight, resident_bytes
+from dsv4serve.layers.linear import Fp8BlockWeight, Mxfp4Weight, resident_bytes
 from dsv4serve.memory.sizing import engine_pool_sizes
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.deepseek_v4.names import official_weights
@@ -318,8 +318,10 @@ def matmul_floor_ms(run: Any, device: str) -> float:
 
 def official_formats(weights: dict[str, Any], cfg: Any, model_type: str) -> dict[str, Any]:
     """The engine's weights as the official checkpoint stores them: MXFP4 experts kept packed, FP8
-    linears quantized and held dequantized. Each tensor is a view of transformers' parameter: the values
-    the formats encode are written back, so transformers computes the same function."""
+    linears kept as e4m3 blocks (those the model takes through `linear`; the rest held dequantized),
+    as `fp4_experts="mxfp4", fp8_linears="fp8"` loads them. Each tensor is a view of transformers'
+    parameter: the values the formats encode are written back, so transformers computes the same
+    function."""
     if model_type != "deepseek_v4":
         raise SystemExit(f"--weights official: only DeepSeek-V4 ships FP8 + MXFP4 weights, not {model_type}")
     spec = spec_for(model_type)
@@ -333,7 +335,10 @@ def official_formats(weights: dict[str, Any], cfg: Any, model_type: str) -> dict
                 w.copy_(packed.dequantized(w.dtype))
                 out[name] = packed
             elif disk == "fp8":
-                w.copy_(dequantize_fp8_block(*quantize_fp8_block(w), w.dtype))
+                q, s = quantize_fp8_block(w)
+                w.copy_(dequantize_fp8_block(q, s, w.dtype))
+                if schema[name].int8 and ".ffn.experts." not in name:  # a `linear`: kept FP8 (W8A16)
+                    out[name] = Fp8BlockWeight(q, torch.exp2(s.float() - 127))
     return out
 
 
@@ -629,6 +634,8 @@ def main() -> None:
     nonexpert, per_expert = weight_bytes(hf, 1)
     if args.weights == "official":  # an expert's three matrices as MXFP4: 4 bits + a byte per 32
         per_expert = per_expert // 2 * 17 // 32
+        fp8 = [w for w in weights.values() if isinstance(w, Fp8BlockWeight)]  # a byte, not two, a weight
+        nonexpert -= sum(w.qweight.numel() - 4 * w.scale.numel() for w in fp8)
     REPORT["decode"] = {}
     for context in args.contexts:
         for batch in args.batches:

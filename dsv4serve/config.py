@@ -15,6 +15,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "npu")
 DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "npu": "bfloat16"}  # by device kind
 FP4_EXPERTS = ("float", "int8", "mxfp4")  # EngineConfig.fp4_experts
+FP8_LINEARS = ("float", "fp8")  # EngineConfig.fp8_linears
 QUANTIZE_FORMATS = ("w8a8-msmodelslim", "w8a8-compressed-tensors")  # `quantize --format`
 
 
@@ -75,6 +76,11 @@ class EngineConfig:
         "float",
         "official MXFP4 experts: dequantized (exact), as int8, or kept packed (mxfp4: W4A16)",
         choices=FP4_EXPERTS,
+    )
+    fp8_linears: str = knob(
+        "float",
+        "official FP8 linears: dequantized at load, or kept as FP8 blocks (fp8: W8A16)",
+        choices=FP8_LINEARS,
     )
     graphs: bool = knob(True, "capture decode steps as device graphs (CUDA)")
 

@@ -39,7 +39,8 @@ def test_bench_decode_dry_run(model: str, weights: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["model"] == model and list(report["prefill"]) == ["2x24"] and report["weights"] == weights
-    assert ("mxfp4" in report["resident_weight_bytes"]) == (weights == "official")
+    resident = report["resident_weight_bytes"]
+    assert ("mxfp4" in resident) == ("fp8" in resident) == (weights == "official"), resident
     assert list(report["decode"]) == ["b1_ctx48", "b3_ctx48"] and list(report["engine"]) == [
         "b1_ctx48",
         "b3_ctx48",

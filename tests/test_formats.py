@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from dsv4serve import Engine, SamplingParams, cli
 from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.layers.formats import E2M1_VALUES, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
-from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, quantize_int8, resident_bytes
+from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, quantize_int8, resident_bytes
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.deepseek_v4.tiny import make_tiny, tiny_config
 from dsv4serve.models.registry import config_from_dir
@@ -219,6 +219,28 @@ def test_mxfp4_experts_requantized_to_int8(official: tuple[Path, Path], model: D
             assert isinstance(w, torch.Tensor) and torch.equal(w, ref), name
 
 
+def test_fp8_linears_stay_fp8(official: tuple[Path, Path], model: DeepseekV4Config) -> None:
+    """`fp8_linears="fp8"`: the FP8 projections the model takes through `linear` stay e4m3 with their
+    block scales (a byte a weight), decoding to the float twin exactly; FP8 tensors the model uses
+    otherwise, and everything else, load as before."""
+    mx, twin = official
+    got = load_checkpoint(mx, model, dtype=torch.bfloat16, fp8_linears="fp8")
+    want = load_checkpoint(twin, model, dtype=torch.float32)
+    stored = load_file(str(mx / "model.safetensors"))
+    kept = {n for n, w in got.items() if isinstance(w, Fp8BlockWeight)}
+    assert kept and all(stored[n].dtype == torch.float8_e4m3fn for n in kept)
+    assert all(".ffn.experts." not in n for n in kept)
+    for name in kept:
+        w = got[name]
+        assert isinstance(w, Fp8BlockWeight) and torch.equal(
+            w.qweight.view(torch.uint8), stored[name].view(torch.uint8)
+        )
+        assert torch.equal(w.dequantized(torch.float32), want[name]), name
+    assert resident_bytes(got)["fp8"] == sum(got[n].qweight.numel() + 4 * got[n].scale.numel() for n in kept)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="fp8_linears"):
+        load_checkpoint(mx, model, dtype=torch.bfloat16, fp8_linears="int4")
+
+
 def test_mxfp4_experts_stay_packed(official: tuple[Path, Path], model: DeepseekV4Config) -> None:
     """`fp4_experts="mxfp4"`: each layer's routed experts resident as the checkpoint stores them (the
     same bytes, a quarter of bf16's), decoding to the float twin exactly; everything else as before."""
@@ -251,13 +273,16 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (7, 40)]
 
 
-@pytest.mark.parametrize("fp4_experts", ["float", "mxfp4"])
-def test_engine_on_mxfp4_equals_its_float_twin(official: tuple[Path, Path], fp4_experts: str) -> None:
-    """Decoded at load (float) or kept packed and decoded per call (mxfp4): the same greedy tokens
-    and every logit equal the float twin's (fp32; MXFP4 values are exact in fp32 and bf16)."""
+@pytest.mark.parametrize(("fp4_experts", "fp8_linears"), [("float", "float"), ("mxfp4", "fp8")])
+def test_engine_on_mxfp4_equals_its_float_twin(
+    official: tuple[Path, Path], fp4_experts: str, fp8_linears: str
+) -> None:
+    """Decoded at load (float) or kept as stored and decoded per call (mxfp4 experts, fp8 linears):
+    the same greedy tokens and every logit equal the float twin's (fp32; both formats' values are exact
+    in fp32, and decoding per call is the same arithmetic as at load)."""
     mx, twin = official
     want = engine_traces(twin, _prompts(), 4, ENGINE)
-    got = engine_traces(mx, _prompts(), 4, ENGINE.with_(fp4_experts=fp4_experts))
+    got = engine_traces(mx, _prompts(), 4, ENGINE.with_(fp4_experts=fp4_experts, fp8_linears=fp8_linears))
     for g, w in zip(got, want, strict=True):
         assert g.tokens == w.tokens
         assert all(torch.equal(a, b) for a, b in zip(g.logits, w.logits, strict=True))

@@ -12,7 +12,8 @@ from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.backends.cuda import backend as triton_backend
 from dsv4serve.backends.cuda.experts import grouped_mm_experts
 from dsv4serve.layers import mhc
-from dsv4serve.layers.linear import Mxfp4Weight, quantize_int8
+from dsv4serve.layers.formats import quantize_fp8_block
+from dsv4serve.layers.linear import Fp8BlockWeight, Mxfp4Weight, quantize_int8
 from tests.kernel_cases import kernel_model, make_case, pool_of
 
 FLASH = {
@@ -107,6 +108,8 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
         ops.linear(torch.randn(T, k_in).to(tdt), w_lin)
         if dtype == "bfloat16":
             ops.linear(torch.randn(T, k_in).to(tdt), quantize_int8(w_lin.float()))
+        q8, s8 = quantize_fp8_block(w_lin.float())  # official FP8 linears kept as stored (W8A16)
+        ops.linear(torch.randn(T, k_in).to(tdt), Fp8BlockWeight(q8, torch.exp2(s8.float() - 127)))
     E, I_, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
     weights = torch.rand(T, k).to(tdt)

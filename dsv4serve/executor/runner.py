@@ -107,6 +107,7 @@ class ModelRunner:
             dtype=dtype,
             device=engine.device,
             fp4_experts=engine.fp4_experts,
+            fp8_linears=engine.fp8_linears,
             progress=shown,
         )
         self._build(cfg, weights, engine, sizes, ops)

@@ -6,7 +6,9 @@ A weight is a plain tensor (bf16 / fp16 / fp32; official FP8 blocks are dequanti
 per-token activation scale, as compressed-tensors and msModelSlim checkpoints store it, or an
 `Mxfp4Weight`: the official checkpoints' packed MXFP4 routed experts kept as stored, W4A16 (the
 activations stay in their dtype; every decoded weight is exact in bf16, so the product equals the
-float product of the decoded weight).
+float product of the decoded weight), or an `Fp8BlockWeight`: an official FP8 linear kept as stored
+(e4m3, one scale per 128 x 128 block), W8A16: the product of the weight decoded in the activations'
+dtype, as decoding at load gives.
 This module holds the pure-PyTorch reference; device backends replace `linear` with fused kernels of
 the same signature (e.g. torch_npu's quantized matmul).
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.layers.formats import MXFP4_BLOCK, dequantize_mxfp4
+from dsv4serve.layers.formats import FP8_BLOCK, MXFP4_BLOCK, dequantize_fp8_block, dequantize_mxfp4
 
 INT8_MAX = 127.0
 
@@ -72,7 +74,33 @@ class Mxfp4Weight:
         return Mxfp4Weight(self.packed.to(device), self.scale.to(device))
 
 
-Weight = torch.Tensor | Int8Weight | Mxfp4Weight
+@dataclass(frozen=True)
+class Fp8BlockWeight:
+    """e4m3 weight (out, in) with fp32 block scales (ceil(out / 128), ceil(in / 128)), as the official
+    FP8 linears store them (the ue8m0 exponents decoded once at load)."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        q, s = self.qweight, self.scale
+        grid = tuple(-(-d // b) for d, b in zip(q.shape, FP8_BLOCK, strict=True))
+        if q.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or tuple(s.shape) != grid:
+            shapes = f"{q.dtype} {tuple(q.shape)} with scales {s.dtype} {tuple(s.shape)}"
+            raise ValueError(f"FP8 block weight {shapes} (expected e4m3 and fp32 {grid})")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8_block(self.qweight, self.scale, dtype)
+
+    def to(self, device: str | torch.device) -> Fp8BlockWeight:
+        return Fp8BlockWeight(self.qweight.to(device), self.scale.to(device))
+
+
+Weight = torch.Tensor | Int8Weight | Mxfp4Weight | Fp8BlockWeight
 Weights = dict[str, Weight]  # a model's tensors by name, as the loader hands them to its builder
 
 
@@ -100,7 +128,7 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x (..., in) @ w^T -> (..., out) in x's dtype."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
-    if isinstance(w, Mxfp4Weight):  # decoded per call: the weights stay packed in memory
+    if isinstance(w, Mxfp4Weight | Fp8BlockWeight):  # decoded per call: the weights stay as stored
         return F.linear(x, w.dequantized(x.dtype))
     flat = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_activation(flat)
@@ -131,6 +159,8 @@ def resident_bytes(weights: Mapping[str, Weight]) -> dict[str, int]:
             fmt, parts = "int8", (w.qweight, w.scale)
         elif isinstance(w, Mxfp4Weight):
             fmt, parts = "mxfp4", (w.packed, w.scale)
+        elif isinstance(w, Fp8BlockWeight):
+            fmt, parts = "fp8", (w.qweight, w.scale)
         else:
             fmt, parts = str(w.dtype).removeprefix("torch."), (w,)
         for t in parts:

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dsv4serve.config import FP4_EXPERTS
-from dsv4serve.layers.formats import FP8_BLOCK, dequantize_mxfp4
-from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, Weight, quantize_int8
+from dsv4serve.config import FP4_EXPERTS, FP8_LINEARS
+from dsv4serve.layers.formats import FP8_BLOCK, decode_e8m0, dequantize_mxfp4
+from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight, quantize_int8
 from dsv4serve.models.formats import (
     INT8_SUFFIXES,
     MAX_NAMES,
@@ -111,6 +111,7 @@ def load_weights(
     dtype: torch.dtype,
     device: str = "cpu",
     fp4_experts: str = "float",
+    fp8_linears: str = "float",
     progress: Progress[tuple[str, Any]] = silent,
 ) -> dict[str, Weight]:
     """Every weight of the checkpoint by schema name (experts stacked), at its storage dtype, on
@@ -120,7 +121,14 @@ def load_weights(
     sizes = _stack_sizes(expected)
     out: dict[str, Weight] = {}
     for name, value in iter_weights(
-        model_dir, spec, cfg, dtype=dtype, fp4_experts=fp4_experts, progress=progress, expected=expected
+        model_dir,
+        spec,
+        cfg,
+        dtype=dtype,
+        fp4_experts=fp4_experts,
+        fp8_linears=fp8_linears,
+        progress=progress,
+        expected=expected,
     ):
         _place(out, name, value, expected.naming, sizes, device)
     spec.check_weights(cfg, out)
@@ -134,6 +142,7 @@ def iter_weights(
     *,
     dtype: torch.dtype,
     fp4_experts: str = "float",
+    fp8_linears: str = "float",
     progress: Progress[tuple[str, Any]] = silent,
     expected: Expected | None = None,
 ) -> Iterator[tuple[str, Weight]]:
@@ -141,6 +150,8 @@ def iter_weights(
     headers are checked before the first tensor is read."""
     if fp4_experts not in FP4_EXPERTS:
         raise ValueError(f"fp4_experts: {fp4_experts!r} is not one of {FP4_EXPERTS}")
+    if fp8_linears not in FP8_LINEARS:
+        raise ValueError(f"fp8_linears: {fp8_linears!r} is not one of {FP8_LINEARS}")
     expected = expected or Expected.of(spec, cfg)
     files = checkpoint_files(Path(model_dir))
     plan = plan_tensors(read_headers(files, expected.naming), expected, read_quant_types(Path(model_dir)))
@@ -151,7 +162,11 @@ def iter_weights(
             scale = _read(handles, item.scale) if item.scale else None
             offset = _read(handles, item.offset) if item.offset else None
             kept = storage_dtype(expected.schema[name], dtype)
-            yield name, _value(name, item, raw, scale, offset, kept, expected.block, fp4_experts)
+            # FP8 blocks kept as stored: projections the model takes through `linear` (those a W8A8
+            # checkpoint may quantize), not experts, in the official 128 x 128 blocks
+            fp8 = fp8_linears == "fp8" and expected.schema[name].int8 and tuple(expected.block) == FP8_BLOCK
+            fp8 = fp8 and expected.naming.expert(name) is None
+            yield name, _value(name, item, raw, scale, offset, kept, expected.block, fp4_experts, fp8)
 
 
 def storage_dtype(spec: TensorSpec, dtype: torch.dtype) -> torch.dtype:
@@ -192,6 +207,7 @@ def _value(
     dtype: torch.dtype,
     block: tuple[int, int],
     fp4_experts: str,
+    fp8_native: bool = False,
 ) -> Weight:
     if item.int8:
         assert scale is not None
@@ -204,6 +220,12 @@ def _value(
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
         return quantize_int8(value) if fp4_experts == "int8" else value
+    if fp8_native and scale is not None and raw.dtype == torch.float8_e4m3fn:
+        s = decode_e8m0(scale) if scale.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale.float()
+        try:
+            return Fp8BlockWeight(raw, s)
+        except ValueError as exc:
+            raise CheckpointError(f"{name}.scale: {exc}") from None
     return dequantize_or_keep(name, raw, scale, dtype, block)
 
 

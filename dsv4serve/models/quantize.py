@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4serve.config import QUANTIZE_FORMATS
-from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, Weight, quantize_int8
+from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight, quantize_int8
 from dsv4serve.models.formats import (
     CT_FORMAT,
     CT_LINEAR,
@@ -149,7 +149,7 @@ def _quantized(
     int64 where the official checkpoint keeps them so)."""
     keep_float = spec.msmodelslim_float if fmt == MSMODELSLIM else ()
     for name, value in weights:
-        if isinstance(value, Mxfp4Weight):  # packed MXFP4 experts: their exact float values
+        if isinstance(value, Mxfp4Weight | Fp8BlockWeight):  # kept formats: their exact float values
             value = value.dequantized(torch.float32)
         if isinstance(value, Int8Weight):  # an int8 input: kept (layouts differ only in companions)
             yield name, value

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.layers.linear import Weight, linear
+from dsv4serve.layers.linear import Fp8BlockWeight, Weight, linear
 
 
 def swiglu(
@@ -51,9 +51,17 @@ def routed_experts_reference(
         token, slot = torch.where(ids == e)
         if token.numel() == 0:
             continue
-        y = swiglu(x[token], w1[e], w2[e], w3[e], limit) * weights[token, slot, None]
+        y = (
+            swiglu(x[token], _expert(w1, e), _expert(w2, e), _expert(w3, e), limit)
+            * weights[token, slot, None]
+        )
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+def _expert(w: Weight, e: int) -> Weight:
+    assert not isinstance(w, Fp8BlockWeight), "routed experts in FP8 are dequantized at load"
+    return w[e]
 
 
 def gate_up_view(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:

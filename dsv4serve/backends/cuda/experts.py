@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dsv4serve.backends.cuda.linear import linear, quantize_rows
 from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2
-from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, Weight
+from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
 from dsv4serve.moe.experts import gate_up_view, swiglu
 
 SMALL_ALIGN = 1024  # at most this many pairs: align in one Triton program instead of a dozen torch ops
@@ -457,6 +457,8 @@ def _sum_pairs_kernel(
 
 
 def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(w, Fp8BlockWeight):  # an FP8 shared expert rides as float (never fused: see `fused`)
+        return w.dequantized(torch.bfloat16), None
     if isinstance(w, Int8Weight):
         return w.qweight, w.scale
     return (w.packed, w.scale) if isinstance(w, Mxfp4Weight) else (w, None)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.backends.cuda.triton_utils import arrival_counters, enter, launch_options, pow2
-from dsv4serve.layers.linear import INT8_MAX, Int8Weight, Mxfp4Weight, Weight
+from dsv4serve.layers.linear import INT8_MAX, Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
 from dsv4serve.layers.linear import linear as reference_linear
 
 SKINNY_MAX_M = 16
@@ -76,6 +76,7 @@ def _gemm_kernel(
     counter_ptr,
     a_scale_ptr,
     w_scale_ptr,
+    block_scale_ptr,
     M,
     N,
     K,
@@ -84,6 +85,7 @@ def _gemm_kernel(
     stride_wn,
     stride_om,
     INT8: tl.constexpr,
+    FP8: tl.constexpr,
     FP32: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -115,6 +117,10 @@ def _gemm_kernel(
             mask=nmask[:, None] & kmask[None, :],
             other=0,
         )
+        if FP8:  # e4m3 (loaded as bytes) times its block's scale, in a's dtype (as decoding at load)
+            blocks = (n // 128)[:, None] * tl.cdiv(K, 128) + (k // 128)[None, :]
+            bs = tl.load(block_scale_ptr + blocks, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * bs).to(a.dtype)
         if FP32:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
@@ -172,13 +178,17 @@ def gemm(
     w: torch.Tensor,
     out_dtype: torch.dtype,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """a (M, K) @ w (N, K)^T -> (M, N); int8 operands take (a_scale (M,), w_scale (N,))."""
+    """a (M, K) @ w (N, K)^T -> (M, N); int8 operands take (a_scale (M,), w_scale (N,)); an e4m3 w (as
+    uint8 bytes) takes its fp32 block scales `fp8` (ceil(N / 128), ceil(K / 128)): each weight decoded
+    in a's dtype."""
     M, K = a.shape
     N = w.shape[0]
     assert w.shape[1] == K and a.stride(-1) == 1 and w.stride(-1) == 1
     int8 = scales is not None
     fp32 = a.dtype == torch.float32
+    assert fp8 is None or (fp8.is_contiguous() and fp8.shape == (triton.cdiv(N, 128), triton.cdiv(K, 128)))
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0:
         return out
@@ -192,8 +202,9 @@ def gemm(
         counters = arrival_counters(a.device, grid[0] * grid[1])
     a_scale, w_scale = scales if scales is not None else (out, out)
     _gemm_kernel[grid](
-        a, w, out, ws, counters, a_scale, w_scale, M, N, K, per_split, a.stride(0), w.stride(0),
-        out.stride(0), INT8=int8, FP32=fp32, SPLITS=splits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        a, w, out, ws, counters, a_scale, w_scale, fp8 if fp8 is not None else out, M, N, K, per_split,
+        a.stride(0), w.stride(0), out.stride(0), INT8=int8, FP8=fp8 is not None, FP32=fp32, SPLITS=splits,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **launch_options(a),
     )  # fmt: skip
     return out
@@ -208,6 +219,12 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, Int8Weight):
         q, s = quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
         out = gemm(q, w.qweight, x.dtype, (s, w.scale))
+    elif isinstance(w, Fp8BlockWeight):  # W8A16: decoded in the GEMV's registers; larger M: decoded once
+        if rows.shape[0] > SKINNY_MAX_M:
+            out = F.linear(rows, w.dequantized(x.dtype))
+        else:
+            a = rows if rows.stride(-1) == 1 else rows.contiguous()
+            out = gemm(a, w.qweight.view(torch.uint8), x.dtype, fp8=w.scale)
     elif rows.shape[0] > SKINNY_MAX_M:
         out = F.linear(rows, w)
     else:

@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, Weight
+from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
 from dsv4serve.layers.linear import linear as reference_linear
 
 # npu_dynamic_quant takes float16 / bfloat16 only, and npu_quant_matmul's per-token rows produce
@@ -34,8 +34,8 @@ def npu_linear(x: torch.Tensor, w: Weight, *, npu: ModuleType) -> torch.Tensor:
     """
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
-    if x.dtype not in NPU_ACTIVATION_DTYPES or isinstance(w, Mxfp4Weight):  # MXFP4: decoded per call
-        return reference_linear(x, w)
+    if isinstance(w, Mxfp4Weight | Fp8BlockWeight) or x.dtype not in NPU_ACTIVATION_DTYPES:
+        return reference_linear(x, w)  # MXFP4 / FP8 blocks: decoded per call
     _check_int8_linear(x, w)
     flat = x.reshape(-1, x.shape[-1])  # (T, in)
     xq, xs = npu.npu_dynamic_quant(flat)  # (T, in) int8, (T,) fp32
