@@ -281,6 +281,13 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="--http: the port (0 = any free one)")
     p.add_argument("--served-model-name", default=None, help="--http: the model name (the directory's name)")
     p.add_argument(
+        "--api-key",
+        default=os.environ.get("DSV4SERVE_API_KEY"),
+        help="--http: every /v1/* request needs `Authorization: Bearer <key>` (default: $DSV4SERVE_API_KEY)",
+    )
+    p.add_argument("--ssl-certfile", default=None, help="--http: serve HTTPS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", default=None, help="--http: the certificate's private key (PEM)")
+    p.add_argument(
         "--drain-grace-s",
         type=_positive_float,
         default=30.0,
@@ -295,6 +302,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from dsv4serve import stdio  # torch is heavy: import only when asked
     from dsv4serve.api import system_options
 
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):  # before anything loads or logs
+        return _fail("dsv4serve serve: error: --ssl-certfile and --ssl-keyfile go together")
     _load_model_config(args.model)
     options = system_options(args.model, EngineConfig(**_engine_knobs(args)))
     configure_logs(args.log_level, stream=sys.stderr)
@@ -302,7 +311,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         from dsv4serve.http.server import HttpOptions
         from dsv4serve.http.server import run as run_http
 
-        http = HttpOptions(host=args.host, port=args.port, model_name=args.served_model_name)
+        http = HttpOptions(
+            host=args.host,
+            port=args.port,
+            model_name=args.served_model_name,
+            api_key=args.api_key or None,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+        )
         return run_http(options, http)
     return stdio.run(options, args.drain_grace_s)
 

@@ -7,6 +7,7 @@ generation requests get 503 and `/health` says so; `drained` is set once none is
 
 from __future__ import annotations
 
+import hmac
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class AppOptions:
     max_model_len: int
     max_body_bytes: int = MAX_BODY_BYTES
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    api_key: str | None = None  # every /v1/* request then needs `Authorization: Bearer <key>`
 
 
 class OpenAIApp:
@@ -80,6 +82,8 @@ class OpenAIApp:
         out, path = Responder(send), scope["path"]
         try:
             _, handler = self._route(path, scope["method"])
+            if path.startswith("/v1/"):
+                self._authorize(scope)
             await handler(scope, receive, out)
         except HttpError as err:
             await out.error(err)
@@ -92,6 +96,20 @@ class OpenAIApp:
         finally:
             endpoint = path if path in self._routes else "other"
             self.metrics.http_requests.labels(endpoint, str(out.status or 499)).inc()
+
+    def _authorize(self, scope: Scope) -> None:
+        """With an API key set: the request's bearer token must equal it (compared in constant time);
+        /health and /metrics stay open, as in vLLM."""
+        key = self.options.api_key
+        if key is None:
+            return
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name.lower() == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                given = token.strip() if scheme.lower() == b"bearer" else b""
+        if not hmac.compare_digest(given, key.encode()):
+            raise HttpError(401, "a valid API key is needed: Authorization: Bearer <key>", "invalid_api_key")
 
     def _route(self, path: str, method: str) -> tuple[str, Handler]:
         route = self._routes.get(path)

@@ -18,6 +18,7 @@ Send: TypeAlias = Callable[[Message], Awaitable[None]]
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     409: "invalid_request_error",

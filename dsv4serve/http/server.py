@@ -27,6 +27,9 @@ class HttpOptions:
     port: int = 8000  # 0: any free port (see HttpServer.urls)
     model_name: str | None = None  # None: the model directory's name
     max_body_bytes: int = MAX_BODY_BYTES
+    api_key: str | None = None  # every /v1/* request needs it as a bearer token
+    ssl_certfile: str | None = None  # both: HTTPS (hypercorn's own TLS)
+    ssl_keyfile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ async def serve_http(
             model_name=http.model_name or options.model_dir.name,
             max_model_len=options.engine.resolved_max_model_len(handle.model),
             max_body_bytes=http.max_body_bytes,
+            api_key=http.api_key,
         )
         template = spec_for(handle.model.model_type).chat_template(options.model_dir)
         app = OpenAIApp(handle, template, app_options)
@@ -60,6 +64,7 @@ async def serve_http(
         config.bind = [f"{http.host}:{http.port}"]
         config.accesslog = None
         config.errorlog = None  # unexpected failures reach our logs through the nursery
+        config.certfile, config.keyfile = http.ssl_certfile, http.ssl_keyfile
         urls = await nursery.start(partial(serve, app, config, shutdown_trigger=app.drained.wait))  # type: ignore[arg-type]
         log.info("ready", model=str(options.model_dir), urls=list(urls))
         task_status.started(HttpServer(app, handle, tuple(urls)))
