@@ -105,9 +105,11 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = 0  # 0 = off; a top_k at or above the vocabulary size is off too
     seed: int | None = None  # None: derived from the engine seed and the request id
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # the model's EOS ids do not end the request (stop_token_ids still do)
 
     def __post_init__(self) -> None:
         t, p, k, seed = self.temperature, self.top_p, self.top_k, self.seed
+        check_value("ignore_eos", isinstance(self.ignore_eos, bool), "a bool", self.ignore_eos)
         check_value("temperature", is_number(t) and t >= 0, "a number >= 0", t)
         check_value("top_p", is_number(p) and 0 < p <= 1, "a number in (0, 1]", p)
         check_value("top_k", is_int(k) and 0 <= k <= MAX_INT, "an int in [0, 2**63) (0 = off)", k)

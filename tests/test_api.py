@@ -72,7 +72,7 @@ def wait_until_free(eng: Engine) -> None:
 def test_sampling_params_defaults_and_normalization() -> None:
     p = SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (16, 1.0, 1.0, 0, None)
-    assert (p.stop, p.stop_token_ids, p.logprobs) == ((), (), False)
+    assert (p.stop, p.stop_token_ids, p.logprobs, p.ignore_eos) == ((), (), False, False)
     q = SamplingParams(stop="\n", stop_token_ids=[1, 2], temperature=0, top_p=1)
     assert (q.stop, q.stop_token_ids) == (("\n",), (1, 2))
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
@@ -95,6 +95,7 @@ def test_sampling_params_defaults_and_normalization() -> None:
         ("top_k", 2.5),
         ("seed", 1.5),
         ("seed", "7"),
+        ("ignore_eos", 1),
         ("stop", [""]),
         ("stop", ""),
         ("stop", [3]),

@@ -161,6 +161,29 @@ def test_top_logprobs_chat_and_completions_whole_and_streamed(
     wait_free(served)
 
 
+def test_ignore_eos_runs_to_max_tokens(served: ServedModel, client: openai.OpenAI) -> None:
+    """vLLM's `ignore_eos` (load testers send it): the model's EOS no longer ends the request; a
+    `stop_token_ids` entry still does. The script forces EOS as the third token."""
+    script = served.encode(" a b")[:2]
+    served.forced.script = [*script, served.forced.eos, *script]
+    plain = client.completions.create(model="tiny", prompt="x", max_tokens=6, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage and plain.usage.completion_tokens == 3
+    kept = client.completions.create(
+        model="tiny", prompt="x", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert kept.choices[0].finish_reason == "length" and kept.usage and kept.usage.completion_tokens == 6
+    stopped = client.completions.create(
+        model="tiny", prompt="x", max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [script[1]]},
+    )  # fmt: skip
+    assert (
+        stopped.choices[0].finish_reason == "stop" and stopped.usage and stopped.usage.completion_tokens == 2
+    )
+    with pytest.raises(openai.BadRequestError, match="ignore_eos"):
+        client.completions.create(model="tiny", prompt="x", extra_body={"ignore_eos": "yes"})
+    wait_free(served)
+
+
 def test_chat_stream_tool_call_with_reasoning(served: ServedModel, client: openai.OpenAI) -> None:
     served.forced.script = served.encode(tool_call_text("I should look it up.", "Checking."))
     stream = client.chat.completions.create(

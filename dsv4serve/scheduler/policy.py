@@ -138,14 +138,16 @@ class SchedulerCore:
         """Queue a validated request (1 <= prompt length <= max_model_len, max_tokens >= 1)."""
         assert rid not in self._requests, f"duplicate rid {rid!r}"
         assert 1 <= len(prompt_token_ids) <= self.max_model_len and max_tokens >= 1
+        sampling = sampling or SamplingParams()
+        eos = frozenset() if sampling.ignore_eos else self.eos_token_ids  # ignore_eos: EOS ends nothing
         req = Request(
             rid=rid,
             arrival=self._num_arrivals,
             prompt_len=len(prompt_token_ids),
             all_token_ids=list(prompt_token_ids),
             max_tokens=max_tokens,
-            stop_token_ids=self.eos_token_ids.union(stop_token_ids),
-            sampling=sampling or SamplingParams(),
+            stop_token_ids=eos.union(stop_token_ids),
+            sampling=sampling,
         )
         self._num_arrivals += 1
         self._requests[rid] = req
