@@ -253,12 +253,13 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
 TopLogprobs: TypeAlias = tuple[TopLogprob, ...]  # one position's, most likely first (ties: lowest id)
 
 
-class TokenEvent(_Event, frozen=True, tag="token"):
+class TokenEvent(_Event, frozen=True, tag="token", omit_defaults=True):
     """A streamed delta: the new token ids and the text they completed (may be "")."""
 
     id: str
     token_ids: tuple[int, ...]
     text: str
+    prompt_tokens: int | None = None  # on a request's first token event: its prompt's length
 
 
 class DoneEvent(_Event, frozen=True, tag="done", omit_defaults=True):

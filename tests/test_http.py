@@ -184,6 +184,31 @@ def test_ignore_eos_runs_to_max_tokens(served: ServedModel, client: openai.OpenA
     wait_free(served)
 
 
+def test_continuous_usage_stats_in_every_chunk(served: ServedModel, client: openai.OpenAI) -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (guidellm sends it): every chunk carries the usage so
+    far — the prompt's tokens and the tokens generated until then, rising to the final usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for stream in (
+        client.completions.create(
+            model="tiny", prompt="hello there", max_tokens=5, temperature=0, stream=True,
+            stream_options=options,  # type: ignore[arg-type]
+        ),
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
+            stream=True, stream_options=options,  # type: ignore[arg-type]
+        ),
+    ):  # fmt: skip
+        chunks = list(stream)
+        final = chunks[-1].usage
+        assert final is not None and not chunks[-1].choices and final.completion_tokens == 5
+        running = [c.usage for c in chunks[:-1] if c.usage is not None]
+        assert len(running) >= 5 and all(u.prompt_tokens == final.prompt_tokens > 0 for u in running)
+        generated = [u.completion_tokens for u in running]
+        assert generated == sorted(generated) and generated[-1] == 5 and generated[0] >= 1
+        assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in running)
+    wait_free(served)
+
+
 def test_chat_stream_tool_call_with_reasoning(served: ServedModel, client: openai.OpenAI) -> None:
     served.forced.script = served.encode(tool_call_text("I should look it up.", "Checking."))
     stream = client.chat.completions.create(

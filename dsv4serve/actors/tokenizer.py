@@ -111,6 +111,7 @@ class _Output:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     first_token_at: float | None = None
+    announced: bool = False  # a token event sent (the first carries the prompt's length)
 
 
 @dataclass(eq=False)
@@ -191,7 +192,11 @@ class _Tokenizer:
         else:
             ids = []  # generated after the stop string: dropped
         if out.stream and (ids or text):
-            await self.emit(msg.rid, TokenEvent(id=msg.rid, token_ids=tuple(ids), text=text))
+            prompt = None if out.announced else len(out.prompt_ids)
+            out.announced = True
+            await self.emit(
+                msg.rid, TokenEvent(id=msg.rid, token_ids=tuple(ids), text=text, prompt_tokens=prompt)
+            )
         if msg.finish_reason is not None:
             reason: FinishReason = "stop" if out.stops.matched is not None else msg.finish_reason
             await self.done(msg.rid, reason, msg.num_preemptions)

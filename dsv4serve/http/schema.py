@@ -31,6 +31,7 @@ NumTop = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Sampling(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
+
+import msgspec
 
 from dsv4serve.actors.tokenizer_core import SupportsDecode
 from dsv4serve.chat import ChatTemplate, OutputParser
@@ -65,8 +67,23 @@ class _Base:
         self.id, self.model, self.created = rid, req.model, int(time.time())
         self.streaming = req.stream
         self._include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self._continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        self._counts: dict[int, tuple[int, int]] = {}  # choice -> (prompt tokens, tokens generated so far)
         self._decoder = decoder
         self._dones: list[DoneEvent] = []
+
+    def _running(self, index: int, event: TokenEvent | DoneEvent, chunks: list[Any]) -> list[object]:
+        """`continuous_usage_stats`: each chunk carries the usage so far, over the choices seen."""
+        if not self._continuous:
+            return chunks
+        prompt, generated = self._counts.get(index, (0, 0))
+        if isinstance(event, TokenEvent):
+            self._counts[index] = (event.prompt_tokens or prompt, generated + len(event.token_ids))
+        else:
+            self._counts[index] = (event.usage.prompt_tokens, event.usage.completion_tokens)
+        p, g = (sum(c[i] for c in self._counts.values()) for i in (0, 1))
+        usage = s.Usage(prompt_tokens=p, completion_tokens=g, total_tokens=p + g)
+        return [msgspec.structs.replace(chunk, usage=usage) for chunk in chunks]
 
     def _finish_reason(self, done: DoneEvent) -> str:
         return "length" if done.finish_reason == "length" else "stop"
@@ -100,12 +117,13 @@ class CompletionStream(_Base):
 
     def chunks(self, index: int, event: TokenEvent | DoneEvent) -> list[object]:
         if isinstance(event, TokenEvent):
-            return [self._chunk(s.CompletionChoice(index=index, text=event.text))] if event.text else []
+            text = [self._chunk(s.CompletionChoice(index=index, text=event.text))] if event.text else []
+            return self._running(index, event, text)
         self._dones.append(event)
         choice = s.CompletionChoice(
             index=index, text="", finish_reason=self._finish_reason(event), logprobs=self._logprobs(event)
         )
-        return [self._chunk(choice)]
+        return self._running(index, event, [self._chunk(choice)])
 
     def whole(self, dones: list[DoneEvent]) -> object:
         choices = [
@@ -191,7 +209,7 @@ class ChatStream(_Base):
                 logprobs=self._logprobs(event),
             )
             out.append(self._chunk([last]))
-        return out
+        return self._running(index, event, out)
 
     def _reason(self, done: DoneEvent, choice: _ChatChoice) -> str:
         reason = self._finish_reason(done)
