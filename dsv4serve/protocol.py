@@ -292,6 +292,8 @@ class StatsEvent(_Event, frozen=True, tag="stats"):
     num_preemptions: int = 0
     uptime_s: float = 0.0
     weight_bytes: dict[str, int] = msgspec.field(default_factory=dict)  # resident, by weight format
+    finished_by_reason: dict[str, int] = msgspec.field(default_factory=dict)  # cancelled, error included
+    num_generated: int = 0  # tokens sampled, whoever read them (cancelled requests' too)
 
 
 Event: TypeAlias = TokenEvent | DoneEvent | ErrorEvent | StatsEvent

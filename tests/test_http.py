@@ -298,7 +298,18 @@ def test_errors_use_openai_error_objects(served: ServedModel, client: openai.Ope
     wait_free(served)
 
 
+def _ended(url: str) -> tuple[dict[str, float], float]:
+    """/metrics: requests ended by reason, and the tokens the engine sampled."""
+    with httpx.Client(base_url=url) as http:
+        families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    ended = {s.labels["reason"]: s.value for s in families["dsv4serve_requests_ended"].samples}
+    return ended, families["dsv4serve_engine_generated_tokens"].samples[0].value
+
+
 def test_disconnect_cancels_and_frees(served: ServedModel) -> None:
+    """A client gone mid-stream: its request is cancelled, its memory freed, and the metrics count it
+    (ended `cancelled`, its tokens among the engine's generated ones)."""
+    before, tokens_before = _ended(served.url)
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 2000, "stream": True}
     with (
         httpx.Client(base_url=served.url, timeout=60) as http,
@@ -308,6 +319,9 @@ def test_disconnect_cancels_and_frees(served: ServedModel) -> None:
         assert r.status_code == 200 and next(lines).startswith("data: ")
         assert not free(served.pool_usage())
     wait_free(served)  # long before 2000 tokens could have been generated
+    after, tokens_after = _ended(served.url)
+    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
+    assert tokens_after >= tokens_before + 1
 
 
 def test_metrics_parse_as_prometheus_text(served: ServedModel, client: openai.OpenAI) -> None:

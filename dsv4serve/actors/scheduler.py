@@ -52,6 +52,7 @@ class SchedulerGauges:
     num_finished: int = 0
     num_preemptions: int = 0
     num_generated: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)  # cancelled and failed ones too
     _recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) per step
 
     def add_tokens(self, now: float, count: int) -> None:
@@ -97,6 +98,8 @@ class _Scheduler:
         new = {t.rid: t for t in tokens}
         for fin in finished:
             self.gauges.num_finished += 1
+            by_reason = self.gauges.finished_by_reason
+            by_reason[fin.finish_reason] = by_reason.get(fin.finish_reason, 0) + 1
             if fin.holds_memory:
                 reason: FreeReason = "finished" if fin.finish_reason in ("stop", "length") else "aborted"
                 await self.allocator.send(Free(rid=fin.rid, reason=reason))

@@ -203,6 +203,8 @@ class EngineHandle:
             num_preemptions=gauges.num_preemptions,
             uptime_s=uptime,
             weight_bytes=dict(self._weight_bytes),
+            finished_by_reason=dict(gauges.finished_by_reason),
+            num_generated=gauges.num_generated,
         )
 
     def pool_usage(self) -> dict[str, tuple[int, int]]:

@@ -41,6 +41,19 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("dsv4serve_preemptions", "Preemptions", s.num_preemptions)
         yield CounterMetricFamily("dsv4serve_engine_steps", "Engine steps", s.num_steps)
         yield CounterMetricFamily("dsv4serve_requests_finished", "Requests finished", s.num_finished)
+        by_reason = CounterMetricFamily(
+            "dsv4serve_requests_ended",
+            "Requests ended, by finish reason (cancelled, error too)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s.finished_by_reason.items()):
+            by_reason.add_metric([reason], n)
+        yield by_reason
+        yield CounterMetricFamily(
+            "dsv4serve_engine_generated_tokens",
+            "Tokens sampled by the engine (cancelled requests' too)",
+            s.num_generated,
+        )
 
 
 class Metrics:
