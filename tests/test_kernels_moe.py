@@ -154,6 +154,23 @@ def test_shared_expert_rides_along_as_one_more_expert(int8: bool) -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_fp8_shared_expert_runs_beside_float_routed_ones() -> None:
+    """An official FP8 shared expert (kept as e4m3 blocks) with float routed experts: not fused into the
+    routed kernels (another format), run through the FP8 linear, added: the reference's result."""
+    from dsv4serve.layers.formats import quantize_fp8_block
+    from dsv4serve.layers.linear import Fp8BlockWeight
+
+    x, weights, ids, w1, w2, w3 = _inputs(6, 8, 2, 21)
+    gen = torch.Generator().manual_seed(22)
+    shared = []
+    for w in (w1, w2, w3):
+        q, s = quantize_fp8_block(torch.randn(w.shape[1:], generator=gen) / w.shape[-1] ** 0.5)
+        shared.append(Fp8BlockWeight(on_device(q), on_device(torch.exp2(s.float() - 127))))
+    want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0, tuple(shared))  # type: ignore[arg-type]
+    got = routed_experts(x, weights, ids, w1, w2, w3, 1.0, tuple(shared))  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_bf16_prefill_sized_experts_close_to_reference() -> None:
     """More than 2048 pairs: the prefill tiles (and on CUDA, torch._grouped_mm), shared expert added."""
     x, weights, ids, w1, w2, w3 = _inputs(1100, 8, 2, 13)

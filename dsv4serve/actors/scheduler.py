@@ -49,11 +49,14 @@ class SchedulerGauges:
     running: int = 0
     waiting: int = 0
     num_steps: int = 0
-    num_finished: int = 0
     num_preemptions: int = 0
     num_generated: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)  # cancelled and failed ones too
     _recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) per step
+
+    @property
+    def num_finished(self) -> int:
+        return sum(self.finished_by_reason.values())
 
     def add_tokens(self, now: float, count: int) -> None:
         self.num_generated += count
@@ -97,7 +100,6 @@ class _Scheduler:
         """Free what the finished requests hold; send every request's new ids (and end) as one message."""
         new = {t.rid: t for t in tokens}
         for fin in finished:
-            self.gauges.num_finished += 1
             by_reason = self.gauges.finished_by_reason
             by_reason[fin.finish_reason] = by_reason.get(fin.finish_reason, 0) + 1
             if fin.holds_memory:

@@ -144,16 +144,21 @@ def mla_attention(
     kv_b: kv_b_proj's weight (H * (nope + v), L). Returns (T, H, v). `bound`: the values a chunk of
     tokens gathers or scores at once (a backend sets it for its device's memory and launch costs).
     """
-    lat = dims.kv_lora_rank
-    q_nope, q_pe = q[..., : dims.qk_nope_head_dim], q[..., dims.qk_nope_head_dim :]
-    w = kv_b.view(dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim, lat)  # (H, nope + v, L)
-    w_uk, w_uv = w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim :]  # (H, nope, L), (H, v, L)
-    q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # (T, H, L)
+    q_lat, q_pe, w_uv = absorbed(q, kv_b, dims)
     if meta.spans is None:
         o_lat = _per_token(q_lat, q_pe, cache, meta, dims, bound)
     else:
         o_lat = _per_request(q_lat, q_pe, cache, meta, dims, meta.spans, bound)
     return torch.einsum("thl,hvl->thv", o_lat, w_uv)
+
+
+def absorbed(q: Tensor, kv_b: Tensor, dims: MlaDims) -> tuple[Tensor, Tensor, Tensor]:
+    """q's latent query q_nope W_uk (T, H, L), its rope part (T, H, rope) and W_uv (H, v, L): what the
+    absorbed form attends with, and the value half its latent output goes through."""
+    nope = dims.qk_nope_head_dim
+    w = kv_b.view(dims.num_heads, nope + dims.v_head_dim, dims.kv_lora_rank)  # (H, nope + v, L)
+    q_lat = torch.einsum("thd,hdl->thl", q[..., :nope], w[:, :nope])  # (T, H, L)
+    return q_lat, q[..., nope:], w[:, nope:]
 
 
 def _per_request(

@@ -39,8 +39,11 @@ def dequantize_fp8_block(
     if tuple(scale.shape) != grid:
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match {grid} blocks of {block}")
     s = decode_e8m0(scale) if scale.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale.float()
+    if n % bn == 0 and k % bk == 0:  # whole blocks: each scale broadcast over its block, no (N, K) copy
+        blocks = weight.float().view(n // bn, bn, k // bk, bk) * s[:, None, :, None].to(weight.device)
+        return blocks.view(n, k).to(dtype)
     s = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]  # (N, K)
-    return (weight.float() * s).to(dtype)
+    return (weight.float() * s.to(weight.device)).to(dtype)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

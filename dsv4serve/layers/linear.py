@@ -36,6 +36,9 @@ class Int8Weight:
     def __getitem__(self, index: int) -> Int8Weight:
         return Int8Weight(self.qweight[index], self.scale[index])
 
+    def to(self, device: str | torch.device) -> Int8Weight:
+        return Int8Weight(self.qweight.to(device), self.scale.to(device))
+
     @property
     def shape(self) -> torch.Size:
         return self.qweight.shape

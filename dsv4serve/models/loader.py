@@ -440,7 +440,7 @@ def _place(
 ) -> None:
     slot = naming.expert(name)
     if slot is None:
-        out[name] = _int8_to(value, device) if isinstance(value, Int8Weight) else value.to(device)
+        out[name] = value.to(device)
         return
     stacked, expert = slot
     if stacked not in out:
@@ -456,10 +456,6 @@ def _place(
         target[expert].copy_(value)
     else:  # int8 checkpoints are checked before (check_uniform_experts); MXFP4 with int8 is not
         raise CheckpointError(f"{name}: experts of {stacked} mix formats (e.g. MXFP4 and bf16)")
-
-
-def _int8_to(w: Int8Weight, device: str) -> Int8Weight:
-    return Int8Weight(w.qweight.to(device), w.scale.to(device))
 
 
 def _empty_stacks(

@@ -456,9 +456,14 @@ def _sum_pairs_kernel(
     tl.store(out_ptr + t * HIDDEN + c, acc.to(dtype), mask=mask)
 
 
+def _kind(w: Weight) -> type:
+    return torch.Tensor if isinstance(w, torch.Tensor) else type(w)
+
+
 def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(w, Fp8BlockWeight):  # an FP8 shared expert rides as float (never fused: see `fused`)
-        return w.dequantized(torch.bfloat16), None
+    assert not isinstance(w, Fp8BlockWeight), (
+        "FP8 experts are dequantized at load; FP8 shared ones never fuse"
+    )
     if isinstance(w, Int8Weight):
         return w.qweight, w.scale
     return (w.packed, w.scale) if isinstance(w, Mxfp4Weight) else (w, None)
@@ -486,11 +491,12 @@ def routed_experts(
     int8, fp4 = isinstance(w1, Int8Weight), isinstance(w1, Mxfp4Weight)
     assert int8 == isinstance(w2, Int8Weight) == isinstance(w3, Int8Weight)
     assert fp4 == isinstance(w2, Mxfp4Weight) == isinstance(w3, Mxfp4Weight)
+    # the shared expert rides along as expert E in the routed experts' format (FP4 kernels: routed only)
     fused = (
-        not fp4
-        and shared is not None
-        and all(  # MXFP4: the shared expert (not MXFP4) on its own
-            isinstance(s, Int8Weight) == int8 and s.shape[-2:] == w.shape[1:]
+        shared is not None
+        and not fp4
+        and all(
+            _kind(s) is _kind(w) and s.shape[-2:] == w.shape[1:]
             for s, w in zip(shared, (w1, w2, w3), strict=True)
         )
     )

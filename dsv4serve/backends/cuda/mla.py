@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dsv4serve.attention.mla import MlaDims, MlaMeta, QkvLatents
+from dsv4serve.attention.mla import MlaDims, MlaMeta, QkvLatents, absorbed
 from dsv4serve.backends.cuda.transfers import to_device
 from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2, softmax_update
 
@@ -411,10 +411,7 @@ def mla_attention(
     if (spans is not None and q.shape[0] > SPLIT_TOKENS and expandable and FLASH_VARLEN is not None
             and q.dtype in (torch.bfloat16, torch.float16) and q.stride(-1) == 1):  # fmt: skip
         return expanded_prefill(q, cache, kv_b, meta, dims, spans)
-    q_nope, q_pe = q[..., : dims.qk_nope_head_dim], q[..., dims.qk_nope_head_dim :]
-    w = kv_b.view(dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
-    w_uk, w_uv = w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim :]  # (H, nope, L), (H, v, L)
-    q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # (T, H, L)
+    q_lat, q_pe, w_uv = absorbed(q, kv_b, dims)
     o_lat = latent_attention(q_lat, q_pe, cache, meta, dims.softmax_scale)
     return torch.einsum("thl,hvl->thv", o_lat, w_uv)
 
