@@ -63,7 +63,7 @@ from dsv4serve.executor.graphs import _Graph
 from dsv4serve.executor.inputs import forward_batch
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.layers.formats import dequantize_fp8_block, quantize_fp8_block, quantize_mxfp4
-from dsv4serve.layers.linear import Fp8BlockWeight, Mxfp4Weight, resident_bytes
+from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, quantize_int8, resident_bytes
 from dsv4serve.memory.sizing import engine_pool_sizes
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.deepseek_v4.names import official_weights
@@ -330,15 +330,39 @@ def official_formats(weights: dict[str, Any], cfg: Any, model_type: str) -> dict
     with torch.no_grad():
         for name, w in weights.items():
             disk = schema[name].disk
-            if disk == "mxfp4":
-                packed = Mxfp4Weight(*quantize_mxfp4(w))
-                w.copy_(packed.dequantized(w.dtype))
+            if disk == "mxfp4":  # one expert at a time: the whole stack's fp32 temporaries do not fit
+                parts = [quantize_mxfp4(w[e]) for e in range(w.shape[0])]
+                packed = Mxfp4Weight(torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts]))
+                for e in range(w.shape[0]):
+                    w[e].copy_(packed[e].dequantized(w.dtype))
                 out[name] = packed
             elif disk == "fp8":
                 q, s = quantize_fp8_block(w)
                 w.copy_(dequantize_fp8_block(q, s, w.dtype))
                 if schema[name].int8 and ".ffn.experts." not in name:  # a `linear`: kept FP8 (W8A16)
                     out[name] = Fp8BlockWeight(q, torch.exp2(s.float() - 127))
+    return out
+
+
+def w8a8_formats(weights: dict[str, Any], cfg: Any, model_type: str) -> dict[str, Any]:
+    """The engine's weights as a W8A8 int8 checkpoint (msModelSlim, compressed-tensors) stores them:
+    each projection the schema marks int8 as int8 with a per-output-channel scale, stacked experts one
+    expert at a time; the values they encode are written back into transformers' parameters."""
+    spec = spec_for(model_type)
+    schema = loaded_schema(spec.schema(cfg), spec.names(cfg))
+    out = dict(weights)
+    with torch.no_grad():
+        for name, w in weights.items():
+            if not (name in schema and schema[name].int8 and isinstance(w, torch.Tensor)):
+                continue
+            parts = [quantize_int8(w[e]) for e in range(w.shape[0])] if w.dim() == 3 else [quantize_int8(w)]
+            q = Int8Weight(torch.stack([p.qweight for p in parts]), torch.stack([p.scale for p in parts]))
+            if w.dim() == 2:
+                q = q[0]
+            w.copy_((q.qweight.float() * q.scale[..., None]).to(w.dtype))
+            out[name] = q
+    if not any(isinstance(w, Int8Weight) for w in out.values()):
+        raise SystemExit(f"--weights w8a8: {model_type} has no W8A8 projections")
     return out
 
 
@@ -566,7 +590,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny dimensions on the CPU: checks the flow")
     parser.add_argument("--sample-engine", action="store_true", help="where the engine's threads spend time")
     parser.add_argument(
-        "--weights", choices=("bf16", "official"), default="bf16", help="the weights' formats"
+        "--weights", choices=("bf16", "official", "w8a8"), default="bf16", help="the weights' formats"
     )
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
@@ -600,6 +624,8 @@ def main() -> None:
     weights = family.engine_weights(hf, cfg)
     if args.weights == "official":
         weights = official_formats(weights, cfg, args.model)
+    elif args.weights == "w8a8":
+        weights = w8a8_formats(weights, cfg, args.model)
     REPORT["resident_weight_bytes"] = resident_bytes(weights)
     runner = ModelRunner.from_weights(cfg, weights, engine, sizes)
     core = CoreDriver(runner)
@@ -632,6 +658,11 @@ def main() -> None:
         log("prefill", spec, entry)
         save(args)
     nonexpert, per_expert = weight_bytes(hf, 1)
+    if args.weights == "w8a8":  # a byte a weight (and 4 a channel for its scale), not two
+        int8 = [w for n, w in weights.items() if isinstance(w, Int8Weight) and ".ffn.experts." not in n]
+        nonexpert -= sum(w.qweight.numel() - 4 * w.scale.numel() for w in int8)
+        experts = [w for n, w in weights.items() if isinstance(w, Int8Weight) and ".ffn.experts." in n]
+        per_expert = per_expert // 2 + 4 * sum(w.scale[0].numel() for w in experts) // args.layers
     if args.weights == "official":  # an expert's three matrices as MXFP4: 4 bits + a byte per 32
         per_expert = per_expert // 2 * 17 // 32
         fp8 = [w for w in weights.values() if isinstance(w, Fp8BlockWeight)]  # a byte, not two, a weight

@@ -26,11 +26,18 @@ ARGS = [
 
 
 @pytest.mark.parametrize(
-    ("model", "weights"), [("deepseek_v4", "bf16"), ("glm4_moe_lite", "bf16"), ("deepseek_v4", "official")]
+    ("model", "weights"),
+    [
+        ("deepseek_v4", "bf16"),
+        ("glm4_moe_lite", "bf16"),
+        ("deepseek_v4", "official"),
+        ("deepseek_v4", "w8a8"),
+    ],
 )
 def test_bench_decode_dry_run(model: str, weights: str) -> None:
     """official: MXFP4 experts resident packed (transformers on the values they encode: the same
-    greedy run), FP8 linears' values; the roofline counts the packed experts' bytes."""
+    greedy run), FP8 linears' values; the roofline counts the packed experts' bytes. w8a8: the int8
+    projections resident as int8."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model", model, *ARGS,
          "--steps", "3", "--profile", "--weights", weights],
@@ -41,6 +48,7 @@ def test_bench_decode_dry_run(model: str, weights: str) -> None:
     assert report["model"] == model and list(report["prefill"]) == ["2x24"] and report["weights"] == weights
     resident = report["resident_weight_bytes"]
     assert ("mxfp4" in resident) == ("fp8" in resident) == (weights == "official"), resident
+    assert ("int8" in resident) == (weights == "w8a8"), resident
     assert list(report["decode"]) == ["b1_ctx48", "b3_ctx48"] and list(report["engine"]) == [
         "b1_ctx48",
         "b3_ctx48",

@@ -273,19 +273,49 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (7, 40)]
 
 
-@pytest.mark.parametrize(("fp4_experts", "fp8_linears"), [("float", "float"), ("mxfp4", "fp8")])
-def test_engine_on_mxfp4_equals_its_float_twin(
-    official: tuple[Path, Path], fp4_experts: str, fp8_linears: str
-) -> None:
-    """Decoded at load (float) or kept as stored and decoded per call (mxfp4 experts, fp8 linears):
-    the same greedy tokens and every logit equal the float twin's (fp32; both formats' values are exact
-    in fp32, and decoding per call is the same arithmetic as at load)."""
+@pytest.mark.parametrize("fp4_experts", ["float", "mxfp4"])
+def test_engine_on_mxfp4_equals_its_float_twin(official: tuple[Path, Path], fp4_experts: str) -> None:
+    """Decoded at load (float) or kept as stored and decoded per call (mxfp4 experts, W4A16): the same
+    greedy tokens and every logit equal the float twin's (fp32; the format's values are exact in fp32,
+    and decoding per call is the same arithmetic as at load)."""
     mx, twin = official
     want = engine_traces(twin, _prompts(), 4, ENGINE)
-    got = engine_traces(mx, _prompts(), 4, ENGINE.with_(fp4_experts=fp4_experts, fp8_linears=fp8_linears))
+    got = engine_traces(mx, _prompts(), 4, ENGINE.with_(fp4_experts=fp4_experts))
     for g, w in zip(got, want, strict=True):
         assert g.tokens == w.tokens
         assert all(torch.equal(a, b) for a, b in zip(g.logits, w.logits, strict=True))
+
+
+def next_token_agreement(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, float]:
+    """Mean KL(want || got) of the next-token distributions, top-1 agreement, max |logit diff|."""
+    g, w = torch.stack(got).double(), torch.stack(want).double()
+    kl = (w.softmax(-1) * (w.log_softmax(-1) - g.log_softmax(-1))).sum(-1)
+    return {
+        "mean_kl": float(kl.mean()),
+        "top1": float((g.argmax(-1) == w.argmax(-1)).double().mean()),
+        "max_abs_diff": float((g - w).abs().max()),
+        "rel_rms": float((g - w).pow(2).mean().sqrt() / (w - w.mean(-1, keepdim=True)).pow(2).mean().sqrt()),
+    }
+
+
+def test_fp8_linears_w8a8_stay_within_e4m3_error(official: tuple[Path, Path]) -> None:
+    """Official FP8 linears kept e4m3 (`fp8_linears="fp8"`, with MXFP4 experts) compute W8A8, as
+    DeepSeek's own inference does: their activations are rounded to e4m3 (3 mantissa bits: up to 2^-4
+    relative per value, ~2% rms), so logits move against the float twin (the same weights, activations
+    unrounded). This tiny random model compounds that over its layers' chained FP8 projections and its
+    discrete choices (routing, the indexer's top-k): first-token distributions of 64 random prompts
+    (fp32) measured mean KL 0.044, top-1 agreement 0.89, max |logit diff| 6.6, rms diff 0.11 of the
+    logits' rms (std ~4). The bounds sit about twice above that; the kernels' agreement with this
+    reference is checked bit-tight in tests/test_kernels_linear.py."""
+    mx, twin = official
+    rng = random.Random(9)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(3, 48))] for _ in range(64)]
+    engine = ENGINE.with_(max_num_seqs=64, max_total_tokens=4096)
+    want = engine_traces(twin, prompts, 1, engine)
+    got = engine_traces(mx, prompts, 1, engine.with_(fp4_experts="mxfp4", fp8_linears="fp8"))
+    stats = next_token_agreement([t.logits[0] for t in got], [t.logits[0] for t in want])
+    assert stats["max_abs_diff"] > 0  # the activations are quantized: not the float twin's arithmetic
+    assert stats["mean_kl"] < 0.1 and stats["top1"] >= 0.8 and stats["rel_rms"] < 0.2, stats
 
 
 @pytest.mark.parametrize(

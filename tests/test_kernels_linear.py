@@ -1,4 +1,4 @@
-"""Triton GEMMs (float, W8A8 int8 and W8A16 FP8 blocks, split-K and not) and row quantization against
+"""Triton GEMMs (float, W8A8 int8 and W8A8 FP8 blocks, split-K and not) and row quantization against
 the reference (`layers/linear.py`; interpreter on CPU)."""
 
 from __future__ import annotations
@@ -42,23 +42,59 @@ def test_int8_linear_is_exact_against_reference(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(kt.linear(x, qw), quant.linear(x, qw), atol=0, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 300, 200), (4, 130, 1024), (16, 64, 96), (40, 300, 200)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 300, 200), (4, 130, 1024), (16, 64, 96), (40, 300, 200), (48, 256, 512), (37, 384, 1024)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp8_block_linear_matches_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    """e4m3 weights with 128 x 128 block scales (partial blocks at the edges), each weight decoded in the
-    activations' dtype in the GEMV's registers (up to 16 rows; 40 rows: decoded once, then cuBLAS), against
-    the reference's decode-per-call product; 1024 in-features: split over K."""
+    """W8A8: e4m3 weights with 128 x 128 block scales (partial blocks at the edges), the activations
+    quantized per row per 128 in the GEMM's prologue, against the reference's fp32 product of both
+    dequantized operands; 1024 in-features: split over K; 48 x 256 x 512 and 37 x 384 x 1024 (rows
+    padded to 16 for cuBLAS) in bf16 on a GPU: `torch._scaled_mm`. Every dequantized operand is exact
+    in bf16, so only the order of the fp32 sums and the output's rounding differ."""
     from dsv4serve.layers.formats import quantize_fp8_block
 
     gen = torch.Generator().manual_seed(m + n + k)
     q, s = quantize_fp8_block(torch.randn(n, k, generator=gen) / k**0.5)
     w = quant.Fp8BlockWeight(on_device(q), on_device(torch.exp2(s.float() - 127)))
-    x = on_device(torch.randn(m, k, generator=gen).to(dtype))
-    got, want = kt.linear(x, w), quant.linear(x, w)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+    x[0, : min(k, 128)] = 0.0  # an all-zero block: the floor of the scale
+    x = on_device(x.to(dtype))
+    got, want = kt.linear(x, w).float(), quant.linear(x, w).float()
+    exact = quant.linear(x.float(), w.dequantized(torch.float32))  # unquantized activations
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     else:
-        assert float((got.float() - want.float()).abs().max()) <= 0.01 * float(want.float().abs().max())
+        assert float((got - want).abs().max()) <= 2**-7 * float(want.abs().max())
+    # the activations really are quantized: the error against the unquantized product is e4m3's
+    quant_err = float((want - exact).abs().max() / exact.abs().max())
+    assert 1e-4 < quant_err < 2**-4
+
+
+def test_fp8_activation_quantization_matches_reference() -> None:
+    """The kernel's per-row per-128 quantization equals the reference bit for bit: values at and just
+    past a power of two times 448 (the scale's binade edge), ties of e4m3's rounding, a zero row, a
+    short last block."""
+    from dsv4serve.layers.formats import dequantize_fp8_activation, quantize_fp8_activation
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 300, generator=gen) * 3
+    x[0, 0] = 448.0 * 2.0**-3  # amax exactly a power of two times 448: scale 2^-3
+    x[1, 0] = 448.0 * 2.0**-3 * (1 + 2**-23)  # just past it: scale 2^-2
+    x[2, :8] = torch.tensor([1.0, 1.0625, 1.1875, -1.0625, 9.0, 13.0, 0.5, 0.0]) * 2.0**-6
+    x[3] = 0.0
+    q, s = kt.quantize_fp8_rows(on_device(x))
+    rq, rs = quantize_fp8_activation(x)
+    assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+    assert float(rs[0, 0]) == 2.0**-3 and float(rs[1, 0]) == 2.0**-2
+    back = dequantize_fp8_activation(rq, rs)
+    assert float(back.abs().max()) <= float(x.abs().max()) * (1 + 2**-4)
+    assert float((back - x).abs().max() / x.abs().max()) <= 2**-4
+    pq, ps = kt.quantize_fp8_rows(on_device(x), 16)  # rows padded for cuBLAS: zeros, the floor scale
+    assert pq.shape == (16, 300) and ps.shape == (16, 3) and torch.equal(ps[:5].cpu(), rs)
+    assert torch.equal(pq[:5].cpu().view(torch.uint8), rq.view(torch.uint8)) and not pq[5:].float().any()
+    assert torch.equal(ps[5:].cpu(), torch.full((11, 3), rs[3, 0].item()))
 
 
 def test_linear_of_no_rows() -> None:
@@ -75,7 +111,7 @@ def test_split_k_gemm_is_repeatable_and_leaves_its_counters_at_zero(dtype: torch
     x = on_device(torch.randn(3, 4096, generator=gen).to(dtype))
     w = on_device((torch.randn(40, 4096, generator=gen) / 64).to(dtype))
     other = on_device(torch.randn(70, 4096, generator=gen).to(dtype))
-    assert kt._plan(3, 40, 4096, False, dtype == torch.float32)[3] > 1  # the split path
+    assert kt._plan(3, 40, 4096, False, dtype == torch.float32, False)[3] > 1  # the split path
     first = kt.gemm(x, w, torch.float32)
     kt.gemm(x, other, torch.float32)
     again = kt.gemm(x, w, torch.float32)

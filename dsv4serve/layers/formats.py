@@ -15,6 +15,9 @@ import math
 import torch
 
 FP8_BLOCK = (128, 128)  # official FP8 linears: one scale per 128x128 block
+FP8_ACT_BLOCK = 128  # FP8 linears' activations: one scale per token per 128 channels
+E4M3_MAX = 448.0
+FP8_ACT_AMAX_MIN = 1e-4  # an all-zero block still gets a finite scale (as DeepSeek's act_quant)
 MXFP4_BLOCK = 32  # weights per ue8m0 scale along K
 # e2m1 code -> value; bit 3 is the sign, bits 2-1 the exponent, bit 0 the mantissa
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -44,6 +47,31 @@ def dequantize_fp8_block(
         return blocks.view(n, k).to(dtype)
     s = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]  # (N, K)
     return (weight.float() * s.to(weight.device)).to(dtype)
+
+
+def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(v)) for positive normal fp32 v, exactly (from the exponent bits: a log2 that rounds
+    a value just above a power of two down to it would give a scale one binade too small)."""
+    mantissa, exponent = torch.frexp(v.float())  # v = m * 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(mantissa), exponent - (mantissa == 0.5).to(exponent.dtype))
+
+
+def quantize_fp8_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, K) activations as the FP8 linears' W8A8 reads them: per token per 128 channels (the last
+    block may be shorter) the power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) (ue8m0, as the
+    official checkpoints' `scale_fmt`), the values / scale rounded to nearest-even e4m3 (never past 448).
+    Returns e4m3 (T, K) and fp32 scales (T, ceil(K / 128))."""
+    t, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -k % FP8_ACT_BLOCK))
+    blocks = padded.view(t, -1, FP8_ACT_BLOCK)
+    scale = pow2_ceil(blocks.abs().amax(dim=-1).clamp(min=FP8_ACT_AMAX_MIN) / E4M3_MAX)
+    q = (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(t, -1)[:, :k]
+    return q.contiguous(), scale
+
+
+def dequantize_fp8_activation(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 (T, K) with scales (T, ceil(K / 128)) -> fp32 (T, K): exact (e4m3 times a power of two)."""
+    return q.float() * scale.repeat_interleave(FP8_ACT_BLOCK, dim=1)[:, : q.shape[1]]
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,8 +7,10 @@ per-token activation scale, as compressed-tensors and msModelSlim checkpoints st
 `Mxfp4Weight`: the official checkpoints' packed MXFP4 routed experts kept as stored, W4A16 (the
 activations stay in their dtype; every decoded weight is exact in bf16, so the product equals the
 float product of the decoded weight), or an `Fp8BlockWeight`: an official FP8 linear kept as stored
-(e4m3, one scale per 128 x 128 block), W8A16: the product of the weight decoded in the activations'
-dtype, as decoding at load gives.
+(e4m3, one scale per 128 x 128 block), W8A8 as DeepSeek's own inference runs it: the activations
+quantized per token per 128 channels to e4m3 with a power-of-two scale
+(`formats.quantize_fp8_activation`), the result the fp32 product of both dequantized operands (every
+dequantized value is exact in bf16 and fp32).
 This module holds the pure-PyTorch reference; device backends replace `linear` with fused kernels of
 the same signature (e.g. torch_npu's quantized matmul).
 """
@@ -21,7 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.layers.formats import FP8_BLOCK, MXFP4_BLOCK, dequantize_fp8_block, dequantize_mxfp4
+from dsv4serve.layers.formats import (
+    FP8_BLOCK,
+    MXFP4_BLOCK,
+    dequantize_fp8_activation,
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    quantize_fp8_activation,
+)
 
 INT8_MAX = 127.0
 
@@ -131,8 +140,13 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x (..., in) @ w^T -> (..., out) in x's dtype."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
-    if isinstance(w, Mxfp4Weight | Fp8BlockWeight):  # decoded per call: the weights stay as stored
+    if isinstance(w, Mxfp4Weight):  # decoded per call: the weights stay as stored
         return F.linear(x, w.dequantized(x.dtype))
+    if isinstance(w, Fp8BlockWeight):  # W8A8: the fp32 product of the dequantized operands
+        rows = x.reshape(-1, x.shape[-1])
+        a = dequantize_fp8_activation(*quantize_fp8_activation(rows))
+        out = a @ w.dequantized(torch.float32).T
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
     flat = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_activation(flat)
     # int8 x int8 products summed in fp32: exact while |sum| < 2**24, i.e. for in-features <= 1040

@@ -25,6 +25,7 @@ from dsv4serve.layers.linear import linear as reference_linear
 
 SKINNY_MAX_M = 16
 TARGET_PROGRAMS = 264  # about two per SM of an H200
+SCALED_MM_ROWS = 16
 
 
 @triton.jit
@@ -117,10 +118,10 @@ def _gemm_kernel(
             mask=nmask[:, None] & kmask[None, :],
             other=0,
         )
-        if FP8:  # e4m3 (loaded as bytes) times its block's scale, in a's dtype (as decoding at load)
-            blocks = (n // 128)[:, None] * tl.cdiv(K, 128) + (k // 128)[None, :]
-            bs = tl.load(block_scale_ptr + blocks, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * bs).to(a.dtype)
+        if FP8:  # W8A8: a quantized per row per 128 (in registers), e4m3 (as bytes) times its scale
+            a = _fp8_round_trip(a.to(tl.float32), BLOCK_M, BLOCK_K).to(a.dtype)  # exact in a's dtype
+            bs = tl.load(block_scale_ptr + (n // 128) * tl.cdiv(K, 128) + k0 // 128, mask=nmask, other=0.0)
+            w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * bs[:, None]).to(a.dtype)
         if FP32:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
@@ -143,6 +144,71 @@ def _gemm_kernel(
 
 
 @triton.jit
+def _fp8_exponent(amax):
+    """ceil(log2(max(amax, 1e-4) / 448)) from the quotient's bits (exact; a rounded log2 is not)."""
+    bits = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0).to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _pow2(e):
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_round_trip(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(ROWS, COLS) fp32, COLS a multiple of 128 starting at a multiple of 128: each row's 128-blocks
+    quantized to e4m3 with their power-of-two scale and dequantized (formats.quantize_fp8_activation)."""
+    g = tl.reshape(x, (ROWS, COLS // 128, 128))
+    e = _fp8_exponent(tl.max(tl.abs(g), axis=2))
+    q = (g * _pow2(-e)[:, :, None]).to(tl.float8e4nv).to(tl.float32) * _pow2(e)[:, :, None]
+    return tl.reshape(q, (ROWS, COLS))
+
+
+@triton.jit
+def _fp8_quantize_kernel(
+    x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_x, ROWS: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr
+):
+    """ROWS rows' GROUP blocks of 128: e4m3 values, fp32 scales stored column-major (K / 128, M_PAD);
+    rows M.. of the padding quantize zeros."""
+    enter(PDL)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    b = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    k = b[:, None] * 128 + tl.arange(0, 128)[None, :]  # (GROUP, 128)
+    mask = (row < M_PAD)[:, None, None] & (k < K)[None, :, :]
+    x = tl.load(
+        x_ptr + row[:, None, None] * stride_x + k[None, :, :], mask=mask & (row < M)[:, None, None], other=0.0
+    ).to(tl.float32)
+    e = _fp8_exponent(tl.max(tl.abs(x), axis=2))  # (ROWS, GROUP)
+    tl.store(
+        q_ptr + row[:, None, None] * K + k[None, :, :],
+        (x * _pow2(-e)[:, :, None]).to(tl.float8e4nv),
+        mask=mask,
+    )
+    smask = (row < M_PAD)[:, None] & (b < tl.cdiv(K, 128))[None, :]
+    tl.store(s_ptr + b[None, :] * M_PAD + row[:, None], _pow2(e), mask=smask)
+
+
+def quantize_fp8_rows(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract of `formats.quantize_fp8_activation`: (M, K) -> e4m3 (M', K) and fp32 scales
+    (M', ceil(K / 128)), the scales' M dimension the fastest (the layout `torch._scaled_mm` reads);
+    M' is M rounded up to `multiple`, its extra rows zeros."""
+    assert x.dim() == 2 and x.stride(-1) == 1
+    M, K = x.shape
+    m_pad = triton.cdiv(M, multiple) * multiple
+    blocks = triton.cdiv(K, 128)
+    q = torch.empty(m_pad, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(blocks, m_pad, dtype=torch.float32, device=x.device)
+    if m_pad:
+        rows, group = 4, min(pow2(blocks), 8)
+        grid = (triton.cdiv(m_pad, rows), triton.cdiv(blocks, group))
+        _fp8_quantize_kernel[grid](
+            x, q, s, M, m_pad, K, x.stride(0), ROWS=rows, GROUP=group, num_warps=4, **launch_options(x)
+        )
+    return q, s.t()
+
+
+@triton.jit
 def _store_tile(acc, out_ptr, a_scale_ptr, w_scale_ptr, m, n, mmask, nmask, stride_om, INT8: tl.constexpr):
     if INT8:
         a_scale = tl.load(a_scale_ptr + m, mask=mmask, other=0.0)
@@ -157,8 +223,21 @@ def _store_tile(acc, out_ptr, a_scale_ptr, w_scale_ptr, m, n, mmask, nmask, stri
     )
 
 
-def _plan(M: int, N: int, K: int, int8: bool, fp32: bool) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, num_warps, num_stages) from the shape alone."""
+def _plan(M: int, N: int, K: int, int8: bool, fp32: bool, fp8: bool) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, num_warps, num_stages) from the shape alone (FP8: K tiles
+    of whole 128-blocks, the activations' quantization blocks)."""
+    if fp8:  # one weight scale per tile row: K tiles of exactly 128 (shared memory bounds the stages)
+        bm, bn, _, splits, warps, stages = _plan(M, N, K, int8, fp32, False)
+        if M > SKINNY_MAX_M:
+            return bm, 64, 128, 1, warps, 2 if fp32 else 3
+        return (
+            bm,
+            bn,
+            128,
+            max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(N, bn)), K // 512)),
+            warps,
+            stages,
+        )
     if M <= SKINNY_MAX_M:
         # bf16 (H200 sweep, run 25, each call after an L2 flush): 32 x 128 tiles beat 16/32 x 256 on
         # every projection of a decode step (101 vs 107 us for one of each at one row) but the head's
@@ -192,7 +271,7 @@ def gemm(
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0:
         return out
-    bm, bn, bk, splits, warps, stages = _plan(M, N, K, int8, fp32)
+    bm, bn, bk, splits, warps, stages = _plan(M, N, K, int8, fp32, fp8 is not None)
     per_split = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     splits = triton.cdiv(K, per_split)
     ws, counters = out, out
@@ -219,14 +298,31 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, Int8Weight):
         q, s = quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
         out = gemm(q, w.qweight, x.dtype, (s, w.scale))
-    elif isinstance(w, Fp8BlockWeight):  # W8A16: decoded in the GEMV's registers; larger M: decoded once
-        if rows.shape[0] > SKINNY_MAX_M:
-            out = F.linear(rows, w.dequantized(x.dtype))
-        else:
-            a = rows if rows.stride(-1) == 1 else rows.contiguous()
-            out = gemm(a, w.qweight.view(torch.uint8), x.dtype, fp8=w.scale)
+    elif isinstance(w, Fp8BlockWeight):
+        out = fp8_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), w)
     elif rows.shape[0] > SKINNY_MAX_M:
         out = F.linear(rows, w)
     else:
         out = gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), w, x.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_linear(a: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
+    """W8A8 FP8 (the contract of the reference's `Fp8BlockWeight` product). Up to SKINNY_MAX_M rows,
+    and wherever the shape does not suit cuBLAS: this module's GEMM, the activations quantized in its
+    prologue and the weight tiles decoded in registers (both exact in bf16: bf16 products, fp32 sums).
+    Larger bf16 inputs of whole 128-blocks on Hopper: `torch._scaled_mm` with 1 x 128 activation and
+    128 x 128 weight scales (FP8 tensor cores, fp32 accumulation of each 128-deep block)."""
+    M, K = a.shape
+    N = w.shape[0]
+    if M > SKINNY_MAX_M and scaled_mm_serves(a, N, K):  # cuBLAS refuses some M: rows padded to 16
+        q, s = quantize_fp8_rows(a, SCALED_MM_ROWS)
+        return torch._scaled_mm(q, w.qweight.t(), s, w.scale.t(), out_dtype=a.dtype)[:M]
+    return gemm(a, w.qweight.view(torch.uint8), a.dtype, fp8=w.scale)
+
+
+def scaled_mm_serves(a: torch.Tensor, N: int, K: int) -> bool:
+    """torch._scaled_mm's block-wise scaling: CUDA compute capability 9.x, bf16 out, whole blocks."""
+    if not a.is_cuda or a.dtype != torch.bfloat16 or K % 128 or N % 128:
+        return False
+    return torch.cuda.get_device_capability(a.device)[0] == 9

@@ -1,0 +1,115 @@
+"""FP8 block-scaled GEMMs at DeepSeek-V4-Flash prefill shapes on one GPU: which implementation to use.
+
+    python benchmarks/bench_fp8.py [--tokens 8192] [--out FILE]
+
+For each (N, K) of an official FP8 projection: the weight quantized as the checkpoint stores it (e4m3,
+one power-of-two scale per 128 x 128 block), the activations per token per 128 channels (e4m3 with a
+power-of-two scale, as DeepSeek-V4's reference inference quantizes them). Candidates, each timed with
+CUDA events (median of 20 after warm-up) and checked against the fp32 product of the dequantized
+operands (max |diff| / max |ref|):
+  - bf16: `F.linear` on the dequantized bf16 weight (cuBLAS; today's path above 16 rows)
+  - scaled_mm: `torch._scaled_mm` with block-wise scales (1 x 128 on the activations, 128 x 128 on the
+    weight) from already-quantized activations (torch 2.11 accepts the activation scales with the
+    token dimension fastest and the weight's as the transpose of its (N / 128, K / 128) tensor; run 71)
+  - engine: this engine's `fp8_linear` from the bf16 activations (its quantization kernel included)
+  - triton: this engine's own Triton GEMM on the same W8A8 contract (quantized in its prologue)
+Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dsv4serve.layers.formats import quantize_fp8_block
+
+SHAPES = [(32768, 1024), (1024, 4096), (4096, 8192), (2048, 4096), (4096, 2048), (512, 4096)]
+
+
+def time_ms(fn: Callable[[], Any], reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> e4m3 (M, K), fp32 power-of-two scales (M, K / 128)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 128, 128)
+    e = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-4) / 448.0))
+    s = torch.exp2(e)
+    return (blocks / s[..., None]).to(torch.float8_e4m3fn).view(m, k), s
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max())
+
+
+def candidates(
+    x: torch.Tensor, w: torch.Tensor
+) -> tuple[dict[str, Callable[[], torch.Tensor]], torch.Tensor]:
+    """Each implementation of x (M, K) bf16 @ w (N, K)^T as W8A8 FP8, and the fp32 reference."""
+    from dsv4serve.backends.cuda import linear as ours
+    from dsv4serve.layers.linear import Fp8BlockWeight
+
+    (m, k), n = x.shape, w.shape[0]
+    wq, ws_e = quantize_fp8_block(w)
+    ws = torch.exp2(ws_e.float() - 127)  # (N / 128, K / 128)
+    xq, xs = act_quant(x)
+    w_deq = (wq.float().view(n // 128, 128, k // 128, 128) * ws[:, None, :, None]).view(n, k)
+    x_deq = (xq.float().view(m, k // 128, 128) * xs[..., None]).view(m, k)
+    xb, w_bf16 = x_deq.to(torch.bfloat16), w_deq.to(torch.bfloat16)  # xb quantizes to xq, xs again
+    fw = Fp8BlockWeight(wq, ws)
+    xs_outer = xs.t().contiguous().t()  # (M, K / 128), M the fastest dimension: what torch accepts
+    return {
+        "bf16": lambda: F.linear(xb, w_bf16),
+        "scaled_mm": lambda: torch._scaled_mm(xq, wq.t(), xs_outer, ws.t(), out_dtype=torch.bfloat16),
+        "engine": lambda: ours.fp8_linear(xb, fw),
+        "triton": lambda: ours.gemm(xb, wq.view(torch.uint8), torch.bfloat16, fp8=ws),
+    }, x_deq @ w_deq.T
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    m = args.tokens
+    for n, k in SHAPES:
+        row: dict[str, Any] = {}
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        cands, ref = candidates(x, w)
+        for name, fn in cands.items():
+            try:
+                err = rel_err(fn(), ref)
+                ms = time_ms(fn)
+                row[name] = {"ms": round(ms, 4), "tflops": round(2 * m * n * k / ms / 1e9, 1), "rel_err": err}
+            except Exception as exc:  # a refused shape is a finding
+                row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        report["shapes"][f"{m}x{n}x{k}"] = row
+        print(json.dumps({f"{m}x{n}x{k}": row}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
