@@ -9,6 +9,8 @@
 #            of the MLA kernels), bench_mla.py (one layer's MLA attention) ($OUT/mla*.json), then
 #            bench_long_prompt.py (one 131,072-token GLM prompt through the engine against
 #            transformers, $OUT/long.json)
+#   native - issue 27's kernels: the FP8 / MXFP4 / int8 kernel tests on CUDA, bench_experts.py,
+#            bench_fp8.py, then bench_decode.py --weights official ($OUT/{experts,fp8,official}.json)
 #   all    - bench, then kernels
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -46,6 +48,16 @@ mla)
 kernels)
     shift
     DSV4SERVE_TEST_DEVICE=cuda timeout 300 python3 benchmarks/bench_kernels.py "$@" 2>&1 | tee "$OUT/kernels.json"
+    ;;
+native)
+    shift
+    DSV4SERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_linear.py \
+        tests/test_kernels_moe.py tests/test_formats.py 2>&1 | tee "$OUT/native_tests.log" | tail -12
+    timeout 150 python3 benchmarks/bench_experts.py --out "$OUT/experts.json" 2>&1 | tail -3 | cut -c1-3000
+    [ "${FP8_BENCH:-1}" = 1 ] && timeout 40 python3 benchmarks/bench_fp8.py --out "$OUT/fp8.json" 2>&1 | tail -1 | cut -c1-1500
+    timeout 200 python3 benchmarks/bench_decode.py --weights official --out "$OUT/official.json" "$@" \
+        2> "$OUT/official.err" | tee "$OUT/official.stdout" | cut -c1-400
+    tail -5 "$OUT/official.err"
     ;;
 all)
     shift

@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from dsv4serve.backends.cuda import experts as kt
 from dsv4serve.backends.cuda.experts import align, align_torch, grouped_mm_experts, routed_experts
+from dsv4serve.backends.cuda.triton_utils import ptx_enabled
+from dsv4serve.layers.formats import dequantize_mxfp4
 from dsv4serve.layers.linear import Mxfp4Weight, quantize_int8
 from dsv4serve.moe.experts import gate_up_view, routed_experts_reference, swiglu
 from dsv4serve.moe.routing import gating_top_k
@@ -99,6 +104,39 @@ def random_mxfp4(shape: tuple[int, ...], gen: torch.Generator) -> Mxfp4Weight:
     return Mxfp4Weight(on_device(packed), on_device(scale))
 
 
+@triton.jit
+def _fp4_halves_kernel(packed_ptr, scale_ptr, even_ptr, odd_ptr, PTX: tl.constexpr):
+    n = tl.arange(0, 8)  # 8 rows of two 32-blocks
+    even, odd = kt._fp4_halves(packed_ptr + n * 32, scale_ptr + n * 2, n < 8, 0, 64, 2, PTX)
+    out = n[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(even_ptr + out, even)
+    tl.store(odd_ptr + out, odd)
+
+
+def test_fp4_decode_is_exact() -> None:
+    """Every byte (two e2m1 weights) under scales from 2^-126 to 2^127 decodes to the reference's bf16
+    bit for bit (signed zeros, bf16 subnormals and overflow to inf included): on a GPU the PTX path,
+    under the interpreter its plain-Triton twin."""
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 16)
+    raw = torch.tensor([1, 2, 60, 100, 120, 126, 127, 128, 130, 150, 200, 250, 251, 252, 253, 254])
+    packed, raw = packed.view(8, 32), raw.view(8, 2)  # two blocks a row, each its own scale
+    want = dequantize_mxfp4(packed, raw.to(torch.uint8), torch.bfloat16)  # (8, 64)
+    even, odd = (on_device(torch.empty(8, 32, dtype=torch.bfloat16)) for _ in range(2))
+    p, r = on_device(packed), on_device(raw.to(torch.uint8))
+    _fp4_halves_kernel[(1,)](p, r, even, odd, PTX=ptx_enabled(p.device))
+    for got, ref in ((even, want[:, 0::2]), (odd, want[:, 1::2])):
+        assert torch.equal(got.cpu().view(torch.int16), ref.contiguous().view(torch.int16))
+
+
+def test_fp4_dequantize_kernel_is_exact() -> None:
+    """The prefill path's MXFP4 -> bf16 kernel (stacked experts, in-features not a multiple of its 128
+    columns, rows not of its 64) equals the reference's decoding bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    w = random_mxfp4((3, 70, 96), gen)
+    got = kt.dequantize_fp4(w)
+    assert torch.equal(got.cpu().view(torch.int16), w.to("cpu").dequantized(torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize(
     ("tokens", "dtype", "shared"),
     [
@@ -106,12 +144,14 @@ def random_mxfp4(shape: tuple[int, ...], gen: torch.Generator) -> Mxfp4Weight:
         (9, torch.float32, True),
         (5, torch.bfloat16, False),
         (1100, torch.float32, True),
+        (1100, torch.bfloat16, True),
     ],
 )
 def test_mxfp4_experts_match_reference(tokens: int, dtype: torch.dtype, shared: bool) -> None:
     """Packed experts (hidden 96: not a multiple of the 128-wide K tile; inter 64), the reference
     decoding them per call: the same function as the float experts of the decoded values. 1100 tokens
-    x 2 slots: the prefill tiles. With a float shared expert (computed on its own, then added)."""
+    x 2 slots: the prefill tiles (bf16 on a GPU: decoded to bf16, then torch._grouped_mm). With a
+    float shared expert (computed on its own, then added)."""
     gen = torch.Generator().manual_seed(tokens)
     experts, hidden, inter = 8, 96, 64
     x = torch.randn(tokens, hidden, generator=gen)

@@ -7,9 +7,11 @@
 3. down: per block, times W2[e], scaled by each pair's routing weight, one row per pair.
 4. reduce: each token sums its k rows in slot order (fixed: the result never depends on the batch).
 Blocks past the last real one (the grid is sized for the worst case) do nothing. int8 quantizes x per
-token and the SwiGLU output per pair (the reference's per-row activation quantization). MXFP4 decodes
-each weight tile in registers (e2m1 pairs times their power-of-two scale: exact in bf16), then runs
-the float path's products: the bytes read are a quarter of bf16's.
+token and the SwiGLU output per pair (the reference's per-row activation quantization). MXFP4 (W4A16)
+decodes each 32-block of weights in registers (e2m1 values times their power-of-two scale: exact in
+bf16; on a GPU eight weights per few PTX bit operations and two bf16x2 products), the even and the odd
+columns apart (no interleave: the activations are read the same way), then bf16 products with fp32
+sums: the bytes read are about a quarter of bf16's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.backends.cuda.linear import linear, quantize_rows
-from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2
+from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2, ptx_enabled
 from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
 from dsv4serve.moe.experts import gate_up_view, swiglu
 
@@ -146,30 +148,106 @@ def _block_pairs(
     )
 
 
-@triton.jit
-def _e2m1(code):
-    """e2m1 codes (0..15, bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa) -> fp32."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e, 1) - 1).to(tl.float32))
-    return tl.where((code & 8) != 0, -mag, mag)
+# e2m1 -> bf16, four packed bytes (eight weights) at a time: each nibble's sign and magnitude bits put
+# where a bf16 keeps them (magnitude code c -> bits 6-8: the bf16 of c's value times 2^-126, 0.5 a
+# subnormal), then two exact products, by 2^126 and by the block's scale. $4: bytes b0..b3; $5, $6:
+# the scale twice per register; $0, $1: the low nibbles (even weights) of b0 b1, b2 b3; $2, $3: the
+# high ones (odd weights).
+_E2M1_PTX = tl.constexpr("""{
+.reg .b32 x, y, t, u, c, z, o;
+mov.b32 c, 0x7E807E80;
+mov.b32 z, 0x80008000;
+mov.b32 o, 0;
+prmt.b32 x, $4, o, 0x4140;
+prmt.b32 y, $4, o, 0x4342;
+shl.b32 t, x, 6; and.b32 t, t, 0x01C001C0; shl.b32 u, x, 12; and.b32 u, u, 0x80008000; or.b32 t, t, u;
+fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $0, t, $5, z;
+shl.b32 t, y, 6; and.b32 t, t, 0x01C001C0; shl.b32 u, y, 12; and.b32 u, u, 0x80008000; or.b32 t, t, u;
+fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $1, t, $6, z;
+shl.b32 t, x, 2; and.b32 t, t, 0x01C001C0; shl.b32 u, x, 8; and.b32 u, u, 0x80008000; or.b32 t, t, u;
+fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $2, t, $5, z;
+shl.b32 t, y, 2; and.b32 t, t, 0x01C001C0; shl.b32 u, y, 8; and.b32 u, u, 0x80008000; or.b32 t, t, u;
+fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $3, t, $6, z;
+}""")
 
 
 @triton.jit
-def _fp4_tile(packed_rows, scale_rows, nmask, k0, K, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):  # fmt: skip
-    """(BLOCK_N, BLOCK_K) weights of columns k0.. decoded: packed_rows (BLOCK_N,) pointers to each row's
-    e2m1 pairs (K / 2 bytes, low nibble first), scale_rows to its ue8m0 exponents (one per 32)."""
-    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    byte = tl.load(packed_rows[:, None] + j[None, :], mask=nmask[:, None] & (2 * j < K)[None, :], other=0)
-    pairs = tl.join(_e2m1(byte & 15), _e2m1(byte >> 4))  # (N, K / 2, 2): elements 2j, 2j + 1
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    raw = tl.load(scale_rows[:, None] + g[None, :], mask=nmask[:, None] & (32 * g < K)[None, :], other=127)
-    raw = raw.to(tl.int32)
-    scale = (raw << 23).to(tl.float32, bitcast=True)  # 2^(raw - 127), exact
-    scale = tl.where(raw == 0, 5.877471754111438e-39, tl.where(raw == 255, float("nan"), scale))
-    w = tl.reshape(pairs, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
-    return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DTYPE)
+def _e2m1_value(nibble, scale):
+    """The plain-Triton twin of _E2M1_PTX for one nibble (int32): its value times scale (fp32)."""
+    mag = nibble & 7
+    bits = tl.where(mag >= 2, (mag << 6) + 0x3F00, tl.where(mag == 1, 0x3F00, 0)) | ((nibble & 8) << 12)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32) * scale
+
+
+@triton.jit
+def _fp4_halves(packed_rows, scale_rows, nmask, kc, K, GROUPS: tl.constexpr, PTX: tl.constexpr):
+    """The weights of columns kc + 2j and kc + 2j + 1 (j < 16 * GROUPS: GROUPS 32-blocks, one ue8m0
+    scale each) of each row, bf16 (BLOCK_N, 16 * GROUPS) each: packed_rows points at each row's e2m1
+    pairs (K / 2 bytes, the low nibble the even column), scale_rows at its scales (K / 32). A scale's
+    value is 2^(raw - 127) for raw 1..254 (0: zero, not 2^-127)."""
+    g = kc // 32 + tl.arange(0, GROUPS)
+    live = nmask[:, None] & (32 * g < K)[None, :]  # (N, GROUPS)
+    j = 16 * g[:, None] + tl.arange(0, 16)[None, :]  # (GROUPS, 16) byte offsets
+    byte = tl.load(packed_rows[:, None, None] + j[None, :, :], mask=live[:, :, None], other=0)
+    raw = tl.load(scale_rows[:, None] + g[None, :], mask=live, other=127)
+    scale = (raw.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(raw - 127), exact
+    if PTX:
+        s = tl.broadcast_to(scale[:, :, None], byte.shape)
+        even, odd = tl.inline_asm_elementwise(
+            _E2M1_PTX, "=r,=r,=r,=r,r,r,r", [byte, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    else:
+        b, s = byte.to(tl.int32), scale.to(tl.float32)[:, :, None]
+        even = _e2m1_value(b & 15, s).to(tl.bfloat16)
+        odd = _e2m1_value(b >> 4, s).to(tl.bfloat16)
+    shape: tl.constexpr = (byte.shape[0], 16 * GROUPS)
+    return tl.reshape(even, shape), tl.reshape(odd, shape)
+
+
+@triton.jit
+def _fp4_step(acc, x_rows, amask, packed_rows, scale_rows, nmask, kc, K, GROUPS: tl.constexpr,
+              FP32: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """acc plus the product of the activations' columns kc..kc + 32 * GROUPS - 1 (x_rows: pointers to
+    each row's column 0) and as many MXFP4 weights, the even and the odd columns as two dots."""
+    even, odd = _fp4_halves(packed_rows, scale_rows, nmask, kc, K, GROUPS, PTX)
+    col = kc + tl.arange(0, 32 * GROUPS)  # one contiguous load, split into even and odd columns
+    a = tl.load(x_rows[:, None] + col[None, :], mask=amask[:, None] & (col < K)[None, :], other=0)
+    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], 16 * GROUPS, 2)))
+    if FP32:
+        acc += tl.dot(a_even, tl.trans(even.to(tl.float32)), input_precision="ieee")
+        acc += tl.dot(a_odd, tl.trans(odd.to(tl.float32)), input_precision="ieee")
+    else:
+        acc += tl.dot(a_even, tl.trans(even.to(a_even.dtype)))
+        acc += tl.dot(a_odd, tl.trans(odd.to(a_odd.dtype)))
+    return acc
+
+
+@triton.jit
+def _dequantize_fp4_kernel(packed_ptr, scale_ptr, out_ptr, ROWS, K, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
+                           GROUPS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Rows of MXFP4 weights (ROWS, K / 2) packed, (ROWS, K / 32) scales -> (ROWS, K) bf16."""
+    enter(PDL)
+    n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    kc = tl.program_id(1) * 32 * GROUPS
+    nmask = n < ROWS
+    even, odd = _fp4_halves(packed_ptr + n * (K // 2), scale_ptr + n * (K // 32), nmask, kc, K, GROUPS, PTX)
+    w = tl.reshape(tl.join(even, odd), (BLOCK_N, 32 * GROUPS))  # columns 2j, 2j + 1 side by side
+    col = kc + tl.arange(0, 32 * GROUPS)
+    tl.store(out_ptr + n[:, None] * K + col[None, :], w, mask=nmask[:, None] & (col < K)[None, :])
+
+
+def dequantize_fp4(w: Mxfp4Weight) -> torch.Tensor:
+    """The bf16 (..., out, in) weight of an MXFP4 one on the GPU (the reference's `dequantized`)."""
+    *_, k = w.shape
+    rows = w.packed.numel() // (k // 2)
+    out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.packed.device)
+    assert w.packed.is_contiguous() and w.scale.is_contiguous() and k % 32 == 0
+    grid = (triton.cdiv(rows, 64), triton.cdiv(k, 128))
+    _dequantize_fp4_kernel[grid](
+        w.packed, w.scale, out, rows, k, PTX=ptx_enabled(out.device), BLOCK_N=64, GROUPS=4, num_warps=4,
+        **launch_options(out),
+    )  # fmt: skip
+    return out
 
 
 @triton.jit
@@ -198,6 +276,7 @@ def _gate_up_kernel(
     limit,
     INT8: tl.constexpr,
     FP4: tl.constexpr,
+    PTX: tl.constexpr,
     FP32: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -224,25 +303,27 @@ def _gate_up_kernel(
         p3 = w3_ptr + ee * stride_w3 + n.to(tl.int64) * (HIDDEN // 2)
         c1 = s1_ptr + (ee * INTER + n.to(tl.int64)) * (HIDDEN // 32)
         c3 = s3_ptr + (ee * INTER + n.to(tl.int64)) * (HIDDEN // 32)
-    for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < HIDDEN
-        a = tl.load(
-            x_ptr + tok[:, None] * stride_x + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
-        )
-        if FP4:
-            w1 = _fp4_tile(p1, c1, nmask, k0, HIDDEN, DTYPE, BLOCK_N, BLOCK_K)
-            w3 = _fp4_tile(p3, c3, nmask, k0, HIDDEN, DTYPE, BLOCK_N, BLOCK_K)
-        else:
+    if not FP4:
+        for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < HIDDEN
+            a = tl.load(
+                x_ptr + tok[:, None] * stride_x + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
+            )
             wmask = nmask[:, None] & kmask[None, :]
             w1 = tl.load(w1_rows + k[None, :], mask=wmask, other=0)
             w3 = tl.load(w3_rows + k[None, :], mask=wmask, other=0)
-        if FP32:
-            acc_g += tl.dot(a, tl.trans(w1), input_precision="ieee")
-            acc_u += tl.dot(a, tl.trans(w3), input_precision="ieee")
-        else:
-            acc_g += tl.dot(a, tl.trans(w1))
-            acc_u += tl.dot(a, tl.trans(w3))
+            if FP32:
+                acc_g += tl.dot(a, tl.trans(w1), input_precision="ieee")
+                acc_u += tl.dot(a, tl.trans(w3), input_precision="ieee")
+            else:
+                acc_g += tl.dot(a, tl.trans(w1))
+                acc_u += tl.dot(a, tl.trans(w3))
+    if FP4:  # BLOCK_K columns a step: even and odd columns as two dots per matrix
+        x_rows = x_ptr + tok * stride_x
+        for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
+            acc_g = _fp4_step(acc_g, x_rows, pmask, p1, c1, nmask, k0, HIDDEN, BLOCK_K // 32, FP32, PTX)
+            acc_u = _fp4_step(acc_u, x_rows, pmask, p3, c3, nmask, k0, HIDDEN, BLOCK_K // 32, FP32, PTX)
     if INT8:
         xs = tl.load(x_scale_ptr + tok, mask=pmask, other=0.0)[:, None]
         s1 = tl.load(tl.where(shared, ss1_ptr + n, s1_ptr + ee * INTER + n), mask=nmask, other=0.0)
@@ -278,6 +359,7 @@ def _down_kernel(
     stride_w2,
     INT8: tl.constexpr,
     FP4: tl.constexpr,
+    PTX: tl.constexpr,
     FP32: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -298,18 +380,21 @@ def _down_kernel(
     if FP4:
         p2 = w2_ptr + ee * stride_w2 + n.to(tl.int64) * (INTER // 2)
         c2 = s2_ptr + (ee * HIDDEN + n.to(tl.int64)) * (INTER // 32)
-    for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < INTER
-        a = tl.load(h_ptr + r[:, None] * INTER + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0)
-        if FP4:
-            w = _fp4_tile(p2, c2, nmask, k0, INTER, DTYPE, BLOCK_N, BLOCK_K)
-        else:
+    if not FP4:
+        for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < INTER
+            a = tl.load(
+                h_ptr + r[:, None] * INTER + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
+            )
             w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
-        if FP32:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(w))
+            if FP32:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+    if FP4:
+        for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
+            acc = _fp4_step(acc, h_ptr + r * INTER, pmask, p2, c2, nmask, k0, INTER, BLOCK_K // 32, FP32, PTX)
     if INT8:
         hs = tl.load(h_scale_ptr + r, mask=pmask, other=0.0)[:, None]
         s2 = tl.load(tl.where(shared, ss2_ptr + n, s2_ptr + ee * HIDDEN + n), mask=nmask, other=0.0)
@@ -351,6 +436,8 @@ def _tiles(num_pairs: int, fp32: bool, int8: bool) -> tuple[int, int, int, int]:
 # prefill-sized bf16 experts through torch._grouped_mm (CUTLASS): 7.6 vs 8.2 ms per layer for 8 x 1024
 # tokens on the H200 (benchmarks/bench_kernels.py)
 GROUPED_MM_PREFILL = hasattr(torch, "_grouped_mm")
+# prefill-sized MXFP4 experts: decoded to bf16 per call (a Triton kernel), then torch._grouped_mm
+FP4_PREFILL_DEQUANTIZED = True
 
 
 def grouped_mm_experts(
@@ -504,8 +591,12 @@ def routed_experts(
         return torch.zeros_like(x)
     fp32 = x.dtype == torch.float32
     prefill_mm = GROUPED_MM_PREFILL and T * ids.shape[1] > 2048 and x.dtype == torch.bfloat16 and x.is_cuda
-    prefill_mm = prefill_mm and not int8 and not fp4
     plain_shared = shared is None or all(isinstance(s, torch.Tensor) for s in shared)
+    if prefill_mm and fp4 and FP4_PREFILL_DEQUANTIZED and plain_shared:  # W4A16 on bf16 tensor cores
+        assert isinstance(w1, Mxfp4Weight) and isinstance(w2, Mxfp4Weight) and isinstance(w3, Mxfp4Weight)
+        d1, d2, d3 = dequantize_fp4(w1), dequantize_fp4(w2), dequantize_fp4(w3)
+        return grouped_mm_experts(x, weights, ids, d1, d2, d3, limit, shared)  # type: ignore[arg-type]
+    prefill_mm = prefill_mm and not int8 and not fp4
     if prefill_mm and plain_shared:
         assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
         return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit, shared)  # type: ignore[arg-type]
@@ -529,14 +620,16 @@ def routed_experts(
     row = hidden // 2 if fp4 else hidden
     for w in (q1, q3, sq1, sq3):
         assert w.stride(-1) == 1 and w.stride(-2) == row, "experts: rows of each expert contiguous"
+    assert not fp4 or (hidden % 32 == 0 and inter % 32 == 0), "MXFP4: whole 32-blocks"
     for s in (s1, s3) if fp4 else ():
         assert s is not None and s.is_contiguous(), "MXFP4 experts: scales (E, out, in / 32) contiguous"
-    scaled = int8 or fp4
+    scaled, ptx = int8 or fp4, fp4 and ptx_enabled(x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
         a, a_scale, q1, q3, s1 if scaled else a, s3 if scaled else a, sq1, sq3, ss1 if int8 else a,
         ss3 if int8 else a, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
         a.stride(0), q1.stride(0), q3.stride(0), limit,
-        INT8=int8, FP4=fp4, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3, **launch_options(a),
     )  # fmt: skip
     a2, a2_scale = quantize_rows(h) if int8 else (h, h)
@@ -548,7 +641,8 @@ def routed_experts(
     _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
         a2, a2_scale, q2, s2 if scaled else a2, sq2, ss2 if int8 else a2, pairs, block_expert,
         weights.contiguous(), y, num_pairs, num_experts, routed, hidden, inter, q2.stride(0),
-        INT8=int8, FP4=fp4, FP32=fp32, HAS_SHARED=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3, **launch_options(a2),
     )  # fmt: skip
     out = torch.empty_like(x)

@@ -118,11 +118,18 @@ def _gemm_kernel(
             mask=nmask[:, None] & kmask[None, :],
             other=0,
         )
-        if FP8:  # W8A8: a quantized per row per 128 (in registers), e4m3 (as bytes) times its scale
-            a = _fp8_round_trip(a.to(tl.float32), BLOCK_M, BLOCK_K).to(a.dtype)  # exact in a's dtype
+        if FP8:  # W8A8, one 128-block of K: a quantized per row in registers, e4m3 (as bytes) weights
             bs = tl.load(block_scale_ptr + (n // 128) * tl.cdiv(K, 128) + k0 // 128, mask=nmask, other=0.0)
-            w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * bs[:, None]).to(a.dtype)
-        if FP32:
+            if FP32:  # both operands dequantized, fp32 products
+                a = _fp8_round_trip(a.to(tl.float32), BLOCK_M, BLOCK_K)
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * bs[:, None]
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:  # an FP8 MMA of the block, scaled into the fp32 sums (as cuBLAS's block-wise GEMM)
+                e = _fp8_exponent(tl.max(tl.abs(a.to(tl.float32)), axis=1))
+                aq = (a.to(tl.float32) * _pow2(-e)[:, None]).to(tl.float8e4nv)
+                part = tl.dot(aq, tl.trans(w.to(tl.float8e4nv, bitcast=True)))
+                acc += part * _pow2(e)[:, None] * bs[None, :]
+        elif FP32:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w.to(a.dtype)))
@@ -309,8 +316,9 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 def fp8_linear(a: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
     """W8A8 FP8 (the contract of the reference's `Fp8BlockWeight` product). Up to SKINNY_MAX_M rows,
-    and wherever the shape does not suit cuBLAS: this module's GEMM, the activations quantized in its
-    prologue and the weight tiles decoded in registers (both exact in bf16: bf16 products, fp32 sums).
+    and wherever the shape does not suit cuBLAS: this module's GEMM, the activations quantized per
+    128-block in its registers and one FP8 MMA per block scaled into fp32 sums (fp32 inputs: both
+    operands dequantized, fp32 products).
     Larger bf16 inputs of whole 128-blocks on Hopper: `torch._scaled_mm` with 1 x 128 activation and
     128 x 128 weight scales (FP8 tensor cores, fp32 accumulation of each 128-deep block)."""
     M, K = a.shape

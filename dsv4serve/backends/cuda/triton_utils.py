@@ -68,6 +68,18 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.cache
+def ptx_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` may use inline PTX (an NVIDIA GPU of compute capability 8 or more,
+    not Triton's interpreter, which runs a kernel's plain-Triton twin of each PTX block instead, nor
+    under DSV4SERVE_PTX=0)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.version.hip:
+        return False
+    if os.environ.get("DSV4SERVE_PTX", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 @triton.jit
 def softmax_update(acc, m, s_sum, logits, values, FP32: tl.constexpr):
     """One tile of keys into an online softmax state (acc (rows, D) unnormalised output, m the

@@ -1,0 +1,162 @@
+"""The routed experts alone at DeepSeek-V4-Flash dimensions (256 experts, hidden 4096, intermediate
+2048, top 6) on one GPU, per weight format: bf16, W8A8 int8 and MXFP4 (W4A16), at decode batches and
+an 8 x 1024 prefill. Each case is timed as CUDA-graph replays (median ms of 20) and set against the
+bytes of the experts it chose (what a step must read: the floor of its time at the copy bandwidth
+measured in the same run). MXFP4 also runs its plain-Triton decode (the interpreter's twin of the PTX
+one), a sweep of decode tiles (BLOCK_N x BLOCK_K x warps) and the prefill's fused kernel (its tiles
+swept) against the default: decoded to bf16, then torch._grouped_mm. Prints one JSON object.
+
+    python benchmarks/bench_experts.py [--batches 1 8 64] [--prefill 8192] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dsv4serve.backends.cuda import experts as kt
+from dsv4serve.layers.formats import quantize_mxfp4
+from dsv4serve.layers.linear import Int8Weight, Mxfp4Weight, Weight, quantize_int8
+
+EXPERTS, HIDDEN, INTER, TOP_K = 256, 4096, 2048, 6
+PREFILL_TILES = [(128, 128, 64, 8), (128, 128, 128, 8), (64, 128, 128, 4), (128, 64, 128, 4), (64, 64, 64, 4)]
+
+
+def graph_ms(fn: Callable[[], Any], reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6  # GB/s
+
+
+def weights(fmt: str) -> tuple[Weight, Weight, Weight]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def one(shape: tuple[int, int]) -> Weight:
+        if fmt == "bf16":
+            return torch.randn(EXPERTS, *shape, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        if fmt == "int8":
+            parts = [
+                quantize_int8(torch.randn(*shape, device="cuda", generator=gen) * 0.02)
+                for _ in range(EXPERTS)
+            ]
+            return Int8Weight(torch.stack([p.qweight for p in parts]), torch.stack([p.scale for p in parts]))
+        packed, scales = zip(
+            *(
+                quantize_mxfp4(torch.randn(*shape, device="cuda", generator=gen) * 0.02)
+                for _ in range(EXPERTS)
+            ),
+            strict=True,
+        )
+        return Mxfp4Weight(torch.stack(packed), torch.stack(scales))
+
+    return one((INTER, HIDDEN)), one((HIDDEN, INTER)), one((INTER, HIDDEN))
+
+
+def expert_bytes(w: tuple[Weight, Weight, Weight]) -> int:
+    """One expert's bytes in its format (values and scales)."""
+    total = 0
+    for part in w:
+        tensors = (part.qweight, part.scale) if isinstance(part, Int8Weight) else (
+            (part.packed, part.scale) if isinstance(part, Mxfp4Weight) else (part,)
+        )  # fmt: skip
+        total += sum(t[0].numel() * t.element_size() for t in tensors)
+    return total
+
+
+def case(tokens: int, w: tuple[Weight, Weight, Weight], bandwidth: float) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).argsort(-1)[:, :TOP_K].to(torch.int32)
+    route = torch.rand(tokens, TOP_K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ms = graph_ms(lambda: kt.routed_experts(x, route, ids, *w, 7.0))
+    distinct = int(ids.unique().numel())
+    floor = distinct * expert_bytes(w) / bandwidth / 1e6
+    return {
+        "ms": round(ms, 4),
+        "distinct": distinct,
+        "floor_ms": round(floor, 4),
+        "over_floor": round(ms / floor, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--prefill", type=int, default=8192)
+    parser.add_argument("--formats", nargs="+", default=["mxfp4", "int8", "bf16"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bandwidth(), 1)}
+    bw = report["copy_gb_s"]
+    for fmt in args.formats:
+        w = weights(fmt)
+        entry: dict[str, Any] = {"expert_bytes": expert_bytes(w)}
+        for tokens in [*args.batches, args.prefill]:
+            try:
+                entry[f"t{tokens}"] = case(tokens, w, bw)
+            except Exception as exc:  # a kernel that fails to build is a result: the rest still runs
+                entry[f"t{tokens}"] = repr(exc)[-300:]
+            print(fmt, tokens, entry[f"t{tokens}"], flush=True)
+        if fmt == "mxfp4":
+            ptx, tiles = kt.ptx_enabled, kt._tiles
+            kt.ptx_enabled = lambda device: False  # type: ignore[assignment]
+            entry["plain_triton_decode"] = {f"t{b}": case(b, w, bw) for b in args.batches}
+            kt.ptx_enabled = ptx
+            sweep = {}
+            for bn in (32, 64, 128):
+                for bk in (64, 128, 256):
+                    for warps in (4, 8):
+                        kt._tiles = lambda n, f, i, bn=bn, bk=bk, warps=warps: (16, bn, bk, warps)  # type: ignore[assignment]
+                        try:
+                            sweep[f"{bn}x{bk}x{warps}"] = {
+                                f"t{b}": case(b, w, bw)["ms"] for b in args.batches
+                            }
+                        except Exception as exc:
+                            sweep[f"{bn}x{bk}x{warps}"] = repr(exc)[:120]
+            entry["decode_tiles"] = sweep
+            prefill = {}
+            kt.FP4_PREFILL_DEQUANTIZED = False  # the fused kernel at prefill size, for the record
+            for bm, bn, bk, warps in PREFILL_TILES:
+                kt._tiles = lambda n, f, i, t=(bm, bn, bk, warps): t  # type: ignore[assignment]
+                try:
+                    prefill[f"{bm}x{bn}x{bk}x{warps}"] = case(args.prefill, w, bw)["ms"]
+                except Exception as exc:
+                    prefill[f"{bm}x{bn}x{bk}x{warps}"] = repr(exc)[:120]
+            kt._tiles = tiles
+            kt.FP4_PREFILL_DEQUANTIZED = True
+            entry["prefill_fused_tiles"] = prefill
+        report[fmt] = entry
+        del w
+        torch.cuda.empty_cache()
+    text = json.dumps(report)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
