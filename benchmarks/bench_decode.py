@@ -592,6 +592,7 @@ def main() -> None:
     parser.add_argument(
         "--weights", choices=("bf16", "official", "w8a8"), default="bf16", help="the weights' formats"
     )
+    parser.add_argument("--accuracy", type=int, default=256, help="prompts of the native-vs-bf16 check")
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     torch.manual_seed(0)
@@ -622,6 +623,7 @@ def main() -> None:
     if "swa" in sizes.names:
         sizes = sizes.with_(swa=widest * (engine.max_num_batched_tokens // engine.page_size + 2))
     weights = family.engine_weights(hf, cfg)
+    plain = dict(weights)  # views of transformers' parameters: the formats' decoded values, below
     if args.weights == "official":
         weights = official_formats(weights, cfg, args.model)
     elif args.weights == "w8a8":
@@ -715,10 +717,56 @@ def main() -> None:
         REPORT["engine_host_samples"] = sampler.report()
     elif args.engine_contexts:
         REPORT["engine"] = engine_generate(runner, args, rng)
+    if args.weights != "bf16" and args.accuracy:
+        try:  # a second runner (the bf16 twin, sharing transformers' tensors where it can)
+            REPORT["accuracy"] = accuracy(core, cfg, plain, engine, 8 if args.dry_run else args.accuracy, rng)
+        except torch.OutOfMemoryError as exc:
+            REPORT["accuracy"] = {"error": repr(exc)[:300]}
+        torch.cuda.empty_cache() if device == "cuda" else None
+        log("accuracy", REPORT["accuracy"])
+        save(args)
     run_profiles(core, profiles, args.steps, rng)  # last: the profiler slows later launches (CUPTI)
     REPORT["seconds"] = round(time.perf_counter() - started, 1)
     save(args)
     print(json.dumps(REPORT))
+
+
+def first_logits(core: CoreDriver, prompts: list[list[int]], tag: str, per_step: int) -> torch.Tensor:
+    """Each prompt's next-token logits (fp32, (len(prompts), vocab)), per_step prompts a step."""
+    rows = []
+    for start in range(0, len(prompts), per_step):
+        chunk = {f"{tag}{start + i}": p for i, p in enumerate(prompts[start : start + per_step])}
+        result = core.runner.execute(core._plan(chunk), keep_logits=True)
+        assert result.logits is not None
+        rows.append(result.logits[: len(chunk)].float())
+        core.free(list(chunk))
+    return torch.cat(rows)
+
+
+def accuracy(
+    core: CoreDriver, cfg: Any, plain: dict[str, Any], engine: EngineConfig, prompts: int, rng: random.Random
+) -> dict[str, float]:
+    """The native formats against this engine's bf16 path on the same (decoded) weights: first-token
+    distributions of random prompts (16-128 tokens): mean KL(bf16 || native), top-1 agreement, max and
+    rms |logit diff| (rms as a fraction of the logits' own rms about their mean)."""
+    per_step = min(64, engine.max_num_seqs)
+    small = engine.with_(max_num_seqs=per_step, max_total_tokens=per_step * 160 + 1024)
+    twin = CoreDriver(ModelRunner.from_weights(cfg, plain, small, engine_pool_sizes(cfg, small)))
+    texts = [
+        [rng.randrange(2, cfg.vocab_size) for _ in range(rng.randrange(16, 129))] for _ in range(prompts)
+    ]
+    got = first_logits(core, texts, "acc-n", per_step)
+    want = first_logits(twin, texts, "acc-b", per_step)
+    g, w = got.double(), want.double()
+    kl = (w.softmax(-1) * (w.log_softmax(-1) - g.log_softmax(-1))).sum(-1)
+    spread = (w - w.mean(-1, keepdim=True)).pow(2).mean().sqrt()
+    return {
+        "prompts": prompts,
+        "mean_kl": round(float(kl.mean()), 5),
+        "top1": round(float((g.argmax(-1) == w.argmax(-1)).double().mean()), 4),
+        "max_abs_diff": round(float((g - w).abs().max()), 4),
+        "rel_rms": round(float((g - w).pow(2).mean().sqrt() / spread), 4),
+    }
 
 
 def run_profiles(core: CoreDriver, profiles: list[tuple[str, str]], steps: int, rng: random.Random) -> None:

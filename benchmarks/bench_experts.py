@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--prefill", type=int, default=8192)
     parser.add_argument("--formats", nargs="+", default=["mxfp4", "int8", "bf16"])
+    parser.add_argument("--sweep", action="store_true", help="the MXFP4 tile sweeps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bandwidth(), 1)}
@@ -120,7 +121,7 @@ def main() -> None:
             except Exception as exc:  # a kernel that fails to build is a result: the rest still runs
                 entry[f"t{tokens}"] = repr(exc)[-300:]
             print(fmt, tokens, entry[f"t{tokens}"], flush=True)
-        if fmt == "mxfp4":
+        if fmt == "mxfp4" and args.sweep:
             ptx, tiles = kt.ptx_enabled, kt._tiles
             kt.ptx_enabled = lambda device: False  # type: ignore[assignment]
             entry["plain_triton_decode"] = {f"t{b}": case(b, w, bw) for b in args.batches}

@@ -10,7 +10,8 @@
 #            bench_long_prompt.py (one 131,072-token GLM prompt through the engine against
 #            transformers, $OUT/long.json)
 #   native - issue 27's kernels: the FP8 / MXFP4 / int8 kernel tests on CUDA, bench_experts.py,
-#            bench_fp8.py, then bench_decode.py --weights official ($OUT/{experts,fp8,official}.json)
+#            bench_fp8.py, then bench_decode.py --weights for each of $WEIGHTS (default: official)
+#            ($OUT/{experts,fp8,<weights>}.json)
 #   all    - bench, then kernels
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -55,9 +56,11 @@ native)
         tests/test_kernels_moe.py tests/test_formats.py 2>&1 | tee "$OUT/native_tests.log" | tail -12
     timeout 150 python3 benchmarks/bench_experts.py --out "$OUT/experts.json" 2>&1 | tail -3 | cut -c1-3000
     [ "${FP8_BENCH:-1}" = 1 ] && timeout 40 python3 benchmarks/bench_fp8.py --out "$OUT/fp8.json" 2>&1 | tail -1 | cut -c1-1500
-    timeout 200 python3 benchmarks/bench_decode.py --weights official --out "$OUT/official.json" "$@" \
-        2> "$OUT/official.err" | tee "$OUT/official.stdout" | cut -c1-400
-    tail -5 "$OUT/official.err"
+    for w in ${WEIGHTS:-official}; do
+        timeout 280 python3 benchmarks/bench_decode.py --weights "$w" --out "$OUT/$w.json" "$@" \
+            2> "$OUT/$w.err" | tee "$OUT/$w.stdout" | cut -c1-400
+        tail -3 "$OUT/$w.err"
+    done
     ;;
 all)
     shift

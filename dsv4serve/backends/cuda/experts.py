@@ -438,6 +438,7 @@ def _tiles(num_pairs: int, fp32: bool, int8: bool) -> tuple[int, int, int, int]:
 GROUPED_MM_PREFILL = hasattr(torch, "_grouped_mm")
 # prefill-sized MXFP4 experts: decoded to bf16 per call (a Triton kernel), then torch._grouped_mm
 FP4_PREFILL_DEQUANTIZED = True
+FP4_DECODE_TILE = (128, 64)  # (BLOCK_N, BLOCK_K) of the decode-sized MXFP4 kernels
 
 
 def grouped_mm_experts(
@@ -609,6 +610,8 @@ def routed_experts(
     top_k = routed + (shared is not None)
     num_pairs = T * top_k
     bm, bn, bk, warps = _tiles(num_pairs, fp32, int8)
+    if fp4 and bm == 16 and not fp32:  # bench_experts.py's sweep on the H200: 128 x 64 at 64 tokens
+        bn, bk = FP4_DECODE_TILE
     pairs, block_expert = align(ids, num_experts + (shared is not None), bm, shared=shared is not None)
     num_blocks = block_expert.numel()
     h = torch.empty(num_blocks * bm, inter, dtype=x.dtype, device=x.device)
