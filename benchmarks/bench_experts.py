@@ -102,12 +102,32 @@ def case(tokens: int, w: tuple[Weight, Weight, Weight], bandwidth: float) -> dic
     }
 
 
+def dequantize_sweep(w: Weight, bandwidth: float) -> dict[str, Any]:
+    """The prefill path's MXFP4 -> bf16 kernel on one stacked weight, per (rows, 32-blocks, warps):
+    ms and GB/s of bytes read and written (the floor: those bytes at the copy bandwidth)."""
+    assert isinstance(w, Mxfp4Weight)
+    out = torch.empty(w.shape, dtype=torch.bfloat16, device="cuda")
+    moved = w.packed.numel() + w.scale.numel() + 2 * out.numel()
+    result: dict[str, Any] = {"floor_ms": round(moved / bandwidth / 1e6, 4)}
+    default = kt.FP4_DEQUANTIZE_TILE
+    for tile in ((64, 4, 4), (32, 8, 4), (128, 2, 4), (64, 8, 8), (128, 4, 8), (16, 16, 4), (256, 1, 4)):
+        kt.FP4_DEQUANTIZE_TILE = tile
+        try:
+            ms = graph_ms(lambda: kt.dequantize_fp4(w, out))
+            result["x".join(map(str, tile))] = {"ms": round(ms, 4), "gb_s": round(moved / ms / 1e6, 1)}
+        except Exception as exc:
+            result["x".join(map(str, tile))] = repr(exc)[:120]
+    kt.FP4_DEQUANTIZE_TILE = default
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--prefill", type=int, default=8192)
     parser.add_argument("--formats", nargs="+", default=["mxfp4", "int8", "bf16"])
     parser.add_argument("--sweep", action="store_true", help="the MXFP4 tile sweeps")
+    parser.add_argument("--dequantize", action="store_true", help="the MXFP4 -> bf16 kernel's tiles")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bandwidth(), 1)}
@@ -149,6 +169,8 @@ def main() -> None:
             kt._tiles = tiles
             kt.FP4_PREFILL_DEQUANTIZED = True
             entry["prefill_fused_tiles"] = prefill
+        if fmt == "mxfp4" and args.dequantize:
+            entry["dequantize_tiles"] = dequantize_sweep(w[0], bw)
         report[fmt] = entry
         del w
         torch.cuda.empty_cache()

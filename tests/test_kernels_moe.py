@@ -133,8 +133,11 @@ def test_fp4_dequantize_kernel_is_exact() -> None:
     columns, rows not of its 64) equals the reference's decoding bit for bit."""
     gen = torch.Generator().manual_seed(11)
     w = random_mxfp4((3, 70, 96), gen)
-    got = kt.dequantize_fp4(w)
-    assert torch.equal(got.cpu().view(torch.int16), w.to("cpu").dequantized(torch.bfloat16).view(torch.int16))
+    want = w.to("cpu").dequantized(torch.bfloat16).view(torch.int16)
+    assert torch.equal(kt.dequantize_fp4(w).cpu().view(torch.int16), want)
+    stack = on_device(torch.zeros(3, 140, 96, dtype=torch.bfloat16))  # into the second half of a stack
+    kt.dequantize_fp4(w, stack[:, 70:])
+    assert torch.equal(stack[:, 70:].cpu().view(torch.int16), want) and not stack[:, :70].float().any()
 
 
 @pytest.mark.parametrize(

@@ -223,9 +223,11 @@ def _fp4_step(acc, x_rows, amask, packed_rows, scale_rows, nmask, kc, K, GROUPS:
 
 
 @triton.jit
-def _dequantize_fp4_kernel(packed_ptr, scale_ptr, out_ptr, ROWS, K, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
-                           GROUPS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """Rows of MXFP4 weights (ROWS, K / 2) packed, (ROWS, K / 32) scales -> (ROWS, K) bf16."""
+def _dequantize_fp4_kernel(packed_ptr, scale_ptr, out_ptr, ROWS, K, ROWS_PER_SLAB, SLAB_STRIDE,
+                           PTX: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                           PDL: tl.constexpr):  # fmt: skip
+    """Rows of MXFP4 weights (ROWS, K / 2) packed, (ROWS, K / 32) scales -> bf16 rows of K, row r at
+    (r // ROWS_PER_SLAB) * SLAB_STRIDE + (r % ROWS_PER_SLAB) * K (experts into a wider stack)."""
     enter(PDL)
     n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     kc = tl.program_id(1) * 32 * GROUPS
@@ -233,19 +235,26 @@ def _dequantize_fp4_kernel(packed_ptr, scale_ptr, out_ptr, ROWS, K, PTX: tl.cons
     even, odd = _fp4_halves(packed_ptr + n * (K // 2), scale_ptr + n * (K // 32), nmask, kc, K, GROUPS, PTX)
     w = tl.reshape(tl.join(even, odd), (BLOCK_N, 32 * GROUPS))  # columns 2j, 2j + 1 side by side
     col = kc + tl.arange(0, 32 * GROUPS)
-    tl.store(out_ptr + n[:, None] * K + col[None, :], w, mask=nmask[:, None] & (col < K)[None, :])
+    row = (n // ROWS_PER_SLAB) * SLAB_STRIDE + (n % ROWS_PER_SLAB) * K
+    tl.store(out_ptr + row[:, None] + col[None, :], w, mask=nmask[:, None] & (col < K)[None, :])
 
 
-def dequantize_fp4(w: Mxfp4Weight) -> torch.Tensor:
-    """The bf16 (..., out, in) weight of an MXFP4 one on the GPU (the reference's `dequantized`)."""
-    *_, k = w.shape
-    rows = w.packed.numel() // (k // 2)
-    out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.packed.device)
+FP4_DEQUANTIZE_TILE = (64, 4, 4)  # (rows, 32-blocks, warps) a program
+
+
+def dequantize_fp4(w: Mxfp4Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 (E, out, in) weight of stacked MXFP4 experts on the GPU (the reference's
+    `dequantized`), into `out` (a view of that shape whose rows are contiguous) when given."""
+    E, n, k = w.shape
+    if out is None:
+        out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.packed.device)
+    assert out.shape == w.shape and out.dtype == torch.bfloat16 and out.stride()[1:] == (k, 1)
     assert w.packed.is_contiguous() and w.scale.is_contiguous() and k % 32 == 0
-    grid = (triton.cdiv(rows, 64), triton.cdiv(k, 128))
+    rows, (bn, groups, warps) = E * n, FP4_DEQUANTIZE_TILE
+    grid = (triton.cdiv(rows, bn), triton.cdiv(k, 32 * groups))
     _dequantize_fp4_kernel[grid](
-        w.packed, w.scale, out, rows, k, PTX=ptx_enabled(out.device), BLOCK_N=64, GROUPS=4, num_warps=4,
-        **launch_options(out),
+        w.packed, w.scale, out, rows, k, n, out.stride(0), PTX=ptx_enabled(out.device), BLOCK_N=bn,
+        GROUPS=groups, num_warps=warps, **launch_options(out),
     )  # fmt: skip
     return out
 
@@ -595,8 +604,10 @@ def routed_experts(
     plain_shared = shared is None or all(isinstance(s, torch.Tensor) for s in shared)
     if prefill_mm and fp4 and FP4_PREFILL_DEQUANTIZED and plain_shared:  # W4A16 on bf16 tensor cores
         assert isinstance(w1, Mxfp4Weight) and isinstance(w2, Mxfp4Weight) and isinstance(w3, Mxfp4Weight)
-        d1, d2, d3 = dequantize_fp4(w1), dequantize_fp4(w2), dequantize_fp4(w3)
-        return grouped_mm_experts(x, weights, ids, d1, d2, d3, limit, shared)  # type: ignore[arg-type]
+        e, inter, _ = w1.shape  # w1 and w3 decoded into one stack: one grouped GEMM of N = 2I
+        both = torch.empty(e, 2 * inter, hidden, dtype=torch.bfloat16, device=x.device)
+        d1, d3 = dequantize_fp4(w1, both[:, :inter]), dequantize_fp4(w3, both[:, inter:])
+        return grouped_mm_experts(x, weights, ids, d1, dequantize_fp4(w2), d3, limit, shared)  # type: ignore[arg-type]
     prefill_mm = prefill_mm and not int8 and not fp4
     if prefill_mm and plain_shared:
         assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
