@@ -318,7 +318,7 @@ def matmul_floor_ms(run: Any, device: str) -> float:
 
 def official_formats(weights: dict[str, Any], cfg: Any, model_type: str) -> dict[str, Any]:
     """The engine's weights as the official checkpoint stores them: MXFP4 experts kept packed, FP8
-    linears kept as e4m3 blocks (those the model takes through `linear`; the rest held dequantized),
+    projections kept as e4m3 blocks (the grouped wo_a too; FP8 experts would be dequantized),
     as `fp4_experts="mxfp4", fp8_linears="fp8"` loads them. Each tensor is a view of transformers'
     parameter: the values the formats encode are written back, so transformers computes the same
     function."""
@@ -339,7 +339,8 @@ def official_formats(weights: dict[str, Any], cfg: Any, model_type: str) -> dict
             elif disk == "fp8":
                 q, s = quantize_fp8_block(w)
                 w.copy_(dequantize_fp8_block(q, s, w.dtype))
-                if schema[name].int8 and ".ffn.experts." not in name:  # a `linear`: kept FP8 (W8A16)
+                held = schema[name].int8 or schema[name].linear  # the projections, wo_a too: kept FP8
+                if held and ".ffn.experts." not in name:
                     out[name] = Fp8BlockWeight(q, torch.exp2(s.float() - 127))
     return out
 

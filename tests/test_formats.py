@@ -598,3 +598,40 @@ def test_experts_mixing_formats_are_refused(
     del file["model." + name[:-7] + ".weight_scale"]
     with pytest.raises(CheckpointError, match=r"experts mix .*layers\.3\.ffn\.experts\.w2"):
         _ct_variant(small, tmp_path / "ct", tensors, config, quant, file)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_grouped_wo_a_kept_fp8_is_a_w8a8_linear_per_group(backend: str) -> None:
+    """DeepSeek-V4's grouped output projection kept FP8 (each group's 128 output rows whole blocks):
+    each group is the W8A8 linear of its own input slice and rows, on the reference and the Triton
+    kernels (interpreter) alike; where a group's rows split blocks, the model decodes wo_a instead."""
+    from types import SimpleNamespace
+
+    from dsv4serve.backends.cuda import linear as triton_linear
+    from dsv4serve.layers import linear as reference
+    from dsv4serve.layers.formats import quantize_fp8_block
+    from dsv4serve.models.deepseek_v4.attention import AttentionWeights, _grouped_output
+    from dsv4serve.models.deepseek_v4.model import fp8_rows_or_plain
+
+    gen = torch.Generator().manual_seed(4)
+    G, R, inner, T = 2, 128, 256, 5
+    q, s = quantize_fp8_block(torch.randn(G * R, inner, generator=gen) / inner**0.5)
+    wo_a = Fp8BlockWeight(q, torch.exp2(s.float() - 127))
+    wo_b = torch.randn(64, G * R, generator=gen) / (G * R) ** 0.5
+    out = torch.randn(T, G * inner, generator=gen)
+    w = AttentionWeights(None, None, None, None, None, wo_a, wo_b, None, None, None)  # type: ignore[arg-type]
+    cfg = SimpleNamespace(o_groups=G, o_lora_rank=R)
+    fn = reference.linear if backend == "reference" else triton_linear.linear
+    got = _grouped_output(out, w, cfg, SimpleNamespace(linear=fn))  # type: ignore[arg-type]
+    mixed = torch.cat(
+        [
+            reference.linear(out[:, g * inner : (g + 1) * inner], wo_a.rows(g * R, (g + 1) * R))
+            for g in range(G)
+        ],
+        1,
+    )
+    torch.testing.assert_close(got, reference.linear(mixed, wo_b), atol=1e-5, rtol=1e-5)
+    weights = {"embed.weight": torch.zeros(4, 4, dtype=torch.bfloat16), "wo_a": wo_a}
+    assert fp8_rows_or_plain(weights, "wo_a", R) is wo_a
+    decoded = fp8_rows_or_plain(weights, "wo_a", 64)  # 64-row groups split the 128-row blocks
+    assert isinstance(decoded, torch.Tensor) and torch.equal(decoded, wo_a.dequantized(torch.bfloat16))

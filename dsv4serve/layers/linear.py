@@ -111,6 +111,12 @@ class Fp8BlockWeight:
     def to(self, device: str | torch.device) -> Fp8BlockWeight:
         return Fp8BlockWeight(self.qweight.to(device), self.scale.to(device))
 
+    def rows(self, start: int, stop: int) -> Fp8BlockWeight:
+        """Output rows start..stop (both multiples of the 128-row block) as a weight of their own."""
+        assert start % FP8_BLOCK[0] == 0 and (stop % FP8_BLOCK[0] == 0 or stop == self.shape[0])
+        b = FP8_BLOCK[0]
+        return Fp8BlockWeight(self.qweight[start:stop], self.scale[start // b : -(-stop // b)])
+
 
 Weight = torch.Tensor | Int8Weight | Mxfp4Weight | Fp8BlockWeight
 Weights = dict[str, Weight]  # a model's tensors by name, as the loader hands them to its builder

@@ -162,9 +162,10 @@ def iter_weights(
             scale = _read(handles, item.scale) if item.scale else None
             offset = _read(handles, item.offset) if item.offset else None
             kept = storage_dtype(expected.schema[name], dtype)
-            # FP8 blocks kept as stored: projections the model takes through `linear` (those a W8A8
-            # checkpoint may quantize), not experts, in the official 128 x 128 blocks
-            fp8 = fp8_linears == "fp8" and expected.schema[name].int8 and tuple(expected.block) == FP8_BLOCK
+            # FP8 blocks kept as stored: the projections (those a W8A8 checkpoint may quantize, and
+            # DeepSeek-V4's grouped wo_a), not experts, in the official 128 x 128 blocks
+            held = expected.schema[name]
+            fp8 = fp8_linears == "fp8" and (held.int8 or held.linear) and tuple(expected.block) == FP8_BLOCK
             fp8 = fp8 and expected.naming.expert(name) is None
             yield name, _value(name, item, raw, scale, offset, kept, expected.block, fp4_experts, fp8)
 

@@ -17,7 +17,7 @@ import torch
 
 from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.attention.step import StepMeta
-from dsv4serve.layers.linear import Weight
+from dsv4serve.layers.linear import Fp8BlockWeight, Weight
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class AttentionWeights:
     wq_b: Weight
     wkv: Weight
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # (G*o_lora, H*D/G)
+    wo_a: Weight  # (G*o_lora, H*D/G): a float tensor, or FP8 blocks (one group's rows whole blocks)
     wo_b: Weight  # (hidden, G*o_lora)
     sinks: torch.Tensor  # (H,) fp32
     compressor: CompressorWeights | None
@@ -106,6 +106,13 @@ def _grouped_output(
     out: torch.Tensor, w: AttentionWeights, cfg: DeepseekV4Config, ops: Backend
 ) -> torch.Tensor:
     T, G, R = out.shape[0], cfg.o_groups, cfg.o_lora_rank
+    if isinstance(w.wo_a, Fp8BlockWeight):  # each group's product a W8A8 linear of its own rows
+        parts = out.reshape(T, G, -1)
+        return ops.linear(
+            torch.cat([ops.linear(parts[:, g], w.wo_a.rows(g * R, (g + 1) * R)) for g in range(G)], dim=-1),
+            w.wo_b,
+        )
+    assert isinstance(w.wo_a, torch.Tensor), "wo_a: float or FP8 blocks"
     grouped = out.reshape(T, G, -1).transpose(0, 1)  # (G, T, H*D/G), a view
     wo_a = w.wo_a.view(G, R, -1).transpose(1, 2)  # (G, H*D/G, o_lora)
     # mixed[t, g] = wo_a[g] @ grouped[t, g] (einsum "tgi,goi->tgo"), the bmm writing straight into

@@ -16,7 +16,8 @@ from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.attention.step import StepMeta, StepTables
-from dsv4serve.layers.linear import Weight, Weights, plain
+from dsv4serve.layers.formats import FP8_BLOCK
+from dsv4serve.layers.linear import Fp8BlockWeight, Weight, Weights, plain
 from dsv4serve.layers.mhc import HcParams, HyperConnection
 from dsv4serve.models.deepseek_v4.attention import (
     AttentionCache,
@@ -61,6 +62,16 @@ def _compressor(w: Weights, prefix: str) -> CompressorWeights:
     )
 
 
+def fp8_rows_or_plain(w: Weights, name: str, rows: int) -> Weight:
+    """A grouped projection kept FP8 where each group's `rows` are whole 128-row blocks (its groups
+    then run as linears of their own), else its float tensor (decoded here, in the embedding's dtype)."""
+    value = w[name]
+    if isinstance(value, Fp8BlockWeight) and rows % FP8_BLOCK[0]:
+        return value.dequantized(plain(w, "embed.weight").dtype)
+    assert isinstance(value, torch.Tensor | Fp8BlockWeight), f"{name}: float or FP8 blocks"
+    return value
+
+
 def _layer(w: Weights, cfg: DeepseekV4Config, i: int) -> LayerWeights:
     p, ratio = f"layers.{i}.", cfg.compress_ratios[i]
     a = p + "attn."
@@ -77,7 +88,7 @@ def _layer(w: Weights, cfg: DeepseekV4Config, i: int) -> LayerWeights:
         wq_b=w[a + "wq_b.weight"],
         wkv=w[a + "wkv.weight"],
         kv_norm=plain(w, a + "kv_norm.weight"),
-        wo_a=plain(w, a + "wo_a.weight"),
+        wo_a=fp8_rows_or_plain(w, a + "wo_a.weight", cfg.o_lora_rank),
         wo_b=w[a + "wo_b.weight"],
         sinks=plain(w, a + "attn_sink"),
         compressor=_compressor(w, a + "compressor") if ratio else None,
