@@ -79,7 +79,7 @@ class EngineConfig:
     )
     fp8_linears: str = knob(
         "float",
-        "official FP8 linears: dequantized at load, or kept as FP8 blocks (fp8: W8A16)",
+        "official FP8 linears: dequantized at load, or kept as FP8 blocks (fp8: W8A8)",
         choices=FP8_LINEARS,
     )
     graphs: bool = knob(True, "capture decode steps as device graphs (CUDA)")

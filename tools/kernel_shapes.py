@@ -108,7 +108,7 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
         ops.linear(torch.randn(T, k_in).to(tdt), w_lin)
         if dtype == "bfloat16":
             ops.linear(torch.randn(T, k_in).to(tdt), quantize_int8(w_lin.float()))
-        q8, s8 = quantize_fp8_block(w_lin.float())  # official FP8 linears kept as stored (W8A16)
+        q8, s8 = quantize_fp8_block(w_lin.float())  # official FP8 linears kept as stored (W8A8)
         ops.linear(torch.randn(T, k_in).to(tdt), Fp8BlockWeight(q8, torch.exp2(s8.float() - 127)))
     E, I_, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
