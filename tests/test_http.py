@@ -287,8 +287,10 @@ def test_errors_use_openai_error_objects(served: ServedModel, client: openai.Ope
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
     with httpx.Client(base_url=served.url) as http:
-        assert http.get("/nope").status_code == 404
-        assert http.get("/v1/completions").status_code == 405
+        nope, wrong = http.get("/nope"), http.get("/v1/completions")
+        assert (nope.status_code, nope.reason_phrase) == (404, "Not Found")  # status lines carry reasons
+        assert (wrong.status_code, wrong.reason_phrase) == (405, "Method Not Allowed")
+        assert http.get("/health").reason_phrase == "OK"
         big = http.post(
             "/v1/completions", content=b" " * (MAX_BODY + 1), headers={"content-type": "application/json"}
         )

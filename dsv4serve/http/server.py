@@ -8,9 +8,14 @@ flight finish; then the server stops listening and the engine drains and stops.
 from __future__ import annotations
 
 import signal
+import types
 from dataclasses import dataclass
 from functools import partial
+from http import HTTPStatus
+from typing import Any
 
+import h11
+import hypercorn.protocol.h11 as hypercorn_h11
 import structlog
 import trio
 from hypercorn.config import Config
@@ -19,6 +24,26 @@ from hypercorn.trio import serve
 from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
 from dsv4serve.http.app import MAX_BODY_BYTES, AppOptions, OpenAIApp
 from dsv4serve.models.registry import spec_for
+
+REASONS = {status.value: status.phrase for status in HTTPStatus}
+
+
+def _response_with_reason(**fields: Any) -> h11.Response:
+    """An h11 response whose status line carries its standard reason phrase ("HTTP/1.1 429 Too Many
+    Requests"): hypercorn sends none over HTTP/1.1 (HTTP/2 has no reason phrases)."""
+    if not fields.get("reason"):
+        fields["reason"] = REASONS.get(fields["status_code"], "")  # a non-standard code keeps none
+    return h11.Response(**fields)
+
+
+def _give_hypercorn_reason_phrases() -> None:
+    """hypercorn's HTTP/1.1 protocol builds its responses through the `h11` name of its own module:
+    that name (and only it) becomes h11 with `Response` filling in the reason phrase."""
+    if getattr(hypercorn_h11.h11, "Response", None) is _response_with_reason:
+        return
+    shim = types.SimpleNamespace(**{k: getattr(h11, k) for k in dir(h11) if not k.startswith("__")})
+    shim.Response = _response_with_reason
+    hypercorn_h11.h11 = shim  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,7 @@ async def serve_http(
         )
         template = spec_for(handle.model.model_type).chat_template(options.model_dir)
         app = OpenAIApp(handle, template, app_options)
+        _give_hypercorn_reason_phrases()
         config = Config()
         config.bind = [f"{http.host}:{http.port}"]
         config.accesslog = None
