@@ -401,3 +401,43 @@ def test_overload_429_and_drain_503(tiny_model_dir: Path) -> None:
             assert rest[-1] == "data: [DONE]" and any('"finish_reason":"length"' in x for x in rest)
     finally:
         model.close()  # returns once drained: the thread ends
+
+
+def test_a_burst_of_1000_streams_is_answered_without_resets(tiny_model_dir: Path) -> None:
+    """1,000 streaming requests opened at once (one client process: the server's own): each is
+    streamed to [DONE] or refused with 429 (the waiting queue is full), none reset. The resets issue
+    29 reports came from separate client processes; this in-process burst has not reproduced them."""
+    model = ServedModel(tiny_model_dir, EngineConfig(max_total_tokens=8192, max_num_seqs=64), max_waiting=256)
+    num = 1000
+
+    async def one(http: httpx.AsyncClient, i: int, ends: list[str]) -> None:
+        body = {"model": "tiny", "prompt": f"burst {i}", "max_tokens": 2, "stream": True}
+        try:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    ends[i] = str(r.status_code)
+                    return
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        ends[i] = "done"
+        except httpx.TransportError as exc:
+            ends[i] = type(exc).__name__
+
+    async def main() -> list[str]:
+        ends = ["none"] * num
+        limits = httpx.Limits(max_connections=num, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=model.url, timeout=120, limits=limits) as http:
+            with trio.fail_after(300):
+                async with trio.open_nursery() as nursery:
+                    for i in range(num):
+                        nursery.start_soon(one, http, i, ends)
+        return ends
+
+    try:
+        ends = trio.run(main)
+        counts = {e: ends.count(e) for e in set(ends)}
+        assert set(counts) <= {"done", "429"} and counts.get("done", 0) > 0, counts
+        wait_free(model)
+    finally:
+        model.close()
