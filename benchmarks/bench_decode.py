@@ -737,9 +737,7 @@ def first_logits(core: CoreDriver, prompts: list[list[int]], tag: str, per_step:
     rows = []
     for start in range(0, len(prompts), per_step):
         chunk = {f"{tag}{start + i}": p for i, p in enumerate(prompts[start : start + per_step])}
-        result = core.runner.execute(core._plan(chunk), keep_logits=True)
-        assert result.logits is not None
-        rows.append(result.logits[: len(chunk)].float())
+        rows.append(core.next_logits(chunk).float())
         core.free(list(chunk))
     return torch.cat(rows)
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_decode import copy_bandwidth
+from bench_kernels import captured, timed
 
 from dsv4serve.backends.cuda import experts as kt
 from dsv4serve.layers.formats import quantize_mxfp4
@@ -27,28 +28,9 @@ EXPERTS, HIDDEN, INTER, TOP_K = 256, 4096, 2048, 6
 PREFILL_TILES = [(128, 128, 64, 8), (128, 128, 128, 8), (64, 128, 128, 4), (128, 64, 128, 4), (64, 64, 64, 4)]
 
 
-def graph_ms(fn: Callable[[], Any], reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6  # GB/s
+def graph_ms(fn: Callable[[], Any]) -> float:
+    """Median ms of one call replayed from a CUDA graph (bench_kernels.py's timing)."""
+    return timed(captured(fn, 1).replay, reps=20)
 
 
 def weights(fmt: str) -> tuple[Weight, Weight, Weight]:
@@ -130,7 +112,8 @@ def main() -> None:
     parser.add_argument("--dequantize", action="store_true", help="the MXFP4 -> bf16 kernel's tiles")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "copy_gb_s": round(copy_bandwidth(), 1)}
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name()}
+    report["copy_gb_s"] = round(copy_bandwidth("cuda") / 1e9, 1)  # as bench_decode.py measures it
     bw = report["copy_gb_s"]
     for fmt in args.formats:
         w = weights(fmt)
@@ -150,7 +133,7 @@ def main() -> None:
             for bn in (32, 64, 128):
                 for bk in (64, 128, 256):
                     for warps in (4, 8):
-                        kt._tiles = lambda n, f, i, bn=bn, bk=bk, warps=warps: (16, bn, bk, warps)  # type: ignore[assignment]
+                        kt._tiles = lambda *_, bn=bn, bk=bk, warps=warps: (16, bn, bk, warps)  # type: ignore[assignment]
                         try:
                             sweep[f"{bn}x{bk}x{warps}"] = {
                                 f"t{b}": case(b, w, bw)["ms"] for b in args.batches
@@ -161,7 +144,7 @@ def main() -> None:
             prefill = {}
             kt.FP4_PREFILL_DEQUANTIZED = False  # the fused kernel at prefill size, for the record
             for bm, bn, bk, warps in PREFILL_TILES:
-                kt._tiles = lambda n, f, i, t=(bm, bn, bk, warps): t  # type: ignore[assignment]
+                kt._tiles = lambda *_, t=(bm, bn, bk, warps): t  # type: ignore[assignment]
                 try:
                     prefill[f"{bm}x{bn}x{bk}x{warps}"] = case(args.prefill, w, bw)["ms"]
                 except Exception as exc:

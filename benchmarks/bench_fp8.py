@@ -5,8 +5,8 @@
 For each (N, K) of an official FP8 projection: the weight quantized as the checkpoint stores it (e4m3,
 one power-of-two scale per 128 x 128 block), the activations per token per 128 channels (e4m3 with a
 power-of-two scale, as DeepSeek-V4's reference inference quantizes them). Candidates, each timed with
-CUDA events (median of 20 after warm-up) and checked against the fp32 product of the dequantized
-operands (max |diff| / max |ref|):
+CUDA events (bench_kernels.py's `timed`: median of 20 after a warm-up) and checked against the fp32
+product of the dequantized operands (max |diff| / max |ref|):
   - bf16: `F.linear` on the dequantized bf16 weight (cuBLAS; today's path above 16 rows)
   - scaled_mm: `torch._scaled_mm` with block-wise scales (1 x 128 on the activations, 128 x 128 on the
     weight) from already-quantized activations (torch 2.11 accepts the activation scales with the
@@ -20,30 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import timed
 
 from dsv4serve.layers.formats import quantize_fp8_block
 
 SHAPES = [(32768, 1024), (1024, 4096), (4096, 8192), (2048, 4096), (4096, 2048), (512, 4096)]
-
-
-def time_ms(fn: Callable[[], Any], reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +85,7 @@ def main() -> None:
         for name, fn in cands.items():
             try:
                 err = rel_err(fn(), ref)
-                ms = time_ms(fn)
+                ms = timed(fn, reps=20)
                 row[name] = {"ms": round(ms, 4), "tflops": round(2 * m * n * k / ms / 1e9, 1), "rel_err": err}
             except Exception as exc:  # a refused shape is a finding
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -107,6 +107,12 @@ class CoreDriver:
             times.append(self._run(chunks))
         return times
 
+    def next_logits(self, chunks: Mapping[str, Sequence[int]]) -> torch.Tensor:
+        """One step over each rid's chunk: the next-token logits (len(chunks), V), in chunk order."""
+        result = self.runner.execute(self._plan(chunks), keep_logits=True)
+        assert result.logits is not None
+        return result.logits[: len(chunks)]
+
     def decode(self, rids: Sequence[str], steps: int) -> list[float]:
         return [self._run({rid: (self.last[rid],) for rid in rids}) for _ in range(steps)]
 

@@ -352,6 +352,21 @@ def test_metrics_parse_as_prometheus_text(served: ServedModel, client: openai.Op
 # ---------------------------------------------------------------- load
 
 
+def concurrently(url: str, num: int, one: Any, ends: list[Any], seconds: float) -> list[Any]:
+    """`one(http, i, ends)` for i < num at once, each on its own connection; returns `ends`."""
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=num, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+            with trio.fail_after(seconds):
+                async with trio.open_nursery() as nursery:
+                    for i in range(num):
+                        nursery.start_soon(one, http, i, ends)
+
+    trio.run(main)
+    return ends
+
+
 def test_concurrent_streams_each_end_exactly_once(served: ServedModel) -> None:
     num = 200
 
@@ -365,17 +380,7 @@ def test_concurrent_streams_each_end_exactly_once(served: ServedModel) -> None:
                 elif line == "data: [DONE]":
                     ends[i] += 100
 
-    async def main() -> list[int]:
-        ends = [0] * num
-        limits = httpx.Limits(max_connections=num)
-        async with httpx.AsyncClient(base_url=served.url, timeout=120, limits=limits) as http:
-            with trio.fail_after(150):
-                async with trio.open_nursery() as nursery:
-                    for i in range(num):
-                        nursery.start_soon(one, http, i, ends)
-        return ends
-
-    assert trio.run(main) == [101] * num  # one finish_reason and one [DONE] each
+    assert concurrently(served.url, num, one, [0] * num, 150) == [101] * num  # one finish_reason, one [DONE]
     wait_free(served)
     assert served.call(lambda: served.server.handle.stats().running) == 0
 
@@ -424,18 +429,8 @@ def test_a_burst_of_1000_streams_is_answered_without_resets(tiny_model_dir: Path
         except httpx.TransportError as exc:
             ends[i] = type(exc).__name__
 
-    async def main() -> list[str]:
-        ends = ["none"] * num
-        limits = httpx.Limits(max_connections=num, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=model.url, timeout=120, limits=limits) as http:
-            with trio.fail_after(300):
-                async with trio.open_nursery() as nursery:
-                    for i in range(num):
-                        nursery.start_soon(one, http, i, ends)
-        return ends
-
     try:
-        ends = trio.run(main)
+        ends = concurrently(model.url, num, one, ["none"] * num, 300)
         counts = {e: ends.count(e) for e in set(ends)}
         assert set(counts) <= {"done", "429"} and counts.get("done", 0) > 0, counts
         wait_free(model)

@@ -433,9 +433,12 @@ def _sum_slots_kernel(y_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + t * HIDDEN + c, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tiles(num_pairs: int, fp32: bool, int8: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row blocks for decode-sized batches."""
+def _tiles(num_pairs: int, fp32: bool, int8: bool, fp4: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row blocks for decode-sized batches (MXFP4 in bf16:
+    128 x 64, the best of bench_experts.py's sweep at 64 tokens on the H200, run 73)."""
     if num_pairs <= 2048:
+        if fp4 and not fp32:
+            return 16, 128, 64, 4
         return 16, 64, 32 if fp32 else (64 if int8 else 128), 4
     if fp32:
         return 64, 64, 32, 4
@@ -447,7 +450,6 @@ def _tiles(num_pairs: int, fp32: bool, int8: bool) -> tuple[int, int, int, int]:
 GROUPED_MM_PREFILL = hasattr(torch, "_grouped_mm")
 # prefill-sized MXFP4 experts: decoded to bf16 per call (a Triton kernel), then torch._grouped_mm
 FP4_PREFILL_DEQUANTIZED = True
-FP4_DECODE_TILE = (128, 64)  # (BLOCK_N, BLOCK_K) of the decode-sized MXFP4 kernels
 
 
 def grouped_mm_experts(
@@ -620,9 +622,7 @@ def routed_experts(
     routed = ids.shape[1]
     top_k = routed + (shared is not None)
     num_pairs = T * top_k
-    bm, bn, bk, warps = _tiles(num_pairs, fp32, int8)
-    if fp4 and bm == 16 and not fp32:  # bench_experts.py's sweep on the H200: 128 x 64 at 64 tokens
-        bn, bk = FP4_DECODE_TILE
+    bm, bn, bk, warps = _tiles(num_pairs, fp32, int8, fp4)
     pairs, block_expert = align(ids, num_experts + (shared is not None), bm, shared=shared is not None)
     num_blocks = block_expert.numel()
     h = torch.empty(num_blocks * bm, inter, dtype=x.dtype, device=x.device)

@@ -14,6 +14,8 @@ scale x channel scale.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -331,6 +333,9 @@ def fp8_linear(a: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
 
 def scaled_mm_serves(a: torch.Tensor, N: int, K: int) -> bool:
     """torch._scaled_mm's block-wise scaling: CUDA compute capability 9.x, bf16 out, whole blocks."""
-    if not a.is_cuda or a.dtype != torch.bfloat16 or K % 128 or N % 128:
-        return False
-    return torch.cuda.get_device_capability(a.device)[0] == 9
+    return a.is_cuda and a.dtype == torch.bfloat16 and not (K % 128 or N % 128) and _hopper(a.device)
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
