@@ -18,7 +18,8 @@ from typing import Any, Self, TypeVar
 import trio
 
 from dsv4serve import logs, protocol
-from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
+from dsv4serve.actors.core_process import run_engine
+from dsv4serve.actors.system import EngineHandle, SystemOptions
 from dsv4serve.config import EngineConfig
 from dsv4serve.params import (
     Completion,
@@ -41,37 +42,39 @@ QUEUE_POLL_S = 0.05  # a queued `generate` retries at least this often
 # ---------------------------------------------------------------- engines
 
 
-def system_options(model: str | Path, engine: EngineConfig) -> SystemOptions:
+def system_options(model: str | Path, engine: EngineConfig, core_process: bool = False) -> SystemOptions:
     model_dir = Path(model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model: no config.json in {model_dir}")
-    return SystemOptions(model_dir=model_dir, engine=engine)
+    return SystemOptions(model_dir=model_dir, engine=engine, core_process=core_process)
 
 
 @asynccontextmanager
 async def _running(options: SystemOptions) -> AsyncIterator[EngineHandle]:
     """The system for the body's lifetime: drained after a normal exit, shut down after an error."""
     async with trio.open_nursery() as nursery:
-        handle: EngineHandle = await nursery.start(run_system, options)
+        handle: EngineHandle = await nursery.start(run_engine, options)
         try:
             yield handle
         except BaseException:
             handle.shutdown()
             raise
         await handle.drain()
+    handle.raise_if_failed()
 
 
 class _Configured:
     """The constructor `AsyncEngine` and `Engine` share: `model` (a checkpoint directory) and, as
-    keywords, any EngineConfig field (`device="cuda"`, `max_num_seqs=128`, `max_model_len=8192`, ...).
+    keywords, any EngineConfig field (`device="cuda"`, `max_num_seqs=128`, `max_model_len=8192`, ...);
+    `core_process=True` runs the engine core (scheduler .. executor) in a process of its own.
 
     `options` are built (and checked) once; a subclass sets up the rest in `_setup`.
     """
 
     options: SystemOptions
 
-    def __init__(self, model: str | Path, **knobs: Any) -> None:
-        self.options = system_options(model, EngineConfig(**knobs))
+    def __init__(self, model: str | Path, *, core_process: bool = False, **knobs: Any) -> None:
+        self.options = system_options(model, EngineConfig(**knobs), core_process)
         logs.configure_default()
         self._setup()
 

@@ -294,6 +294,11 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="--stdio: after SIGTERM / SIGINT, how long accepted requests may take to finish",
     )
+    p.add_argument(
+        "--single-process",
+        action="store_true",
+        help="run the engine core in this process (default: a process of its own, fed over a socket)",
+    )
     _engine_arguments(p)
     p.set_defaults(log_level="info")
 
@@ -305,7 +310,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):  # before anything loads or logs
         return _fail("dsv4serve serve: error: --ssl-certfile and --ssl-keyfile go together")
     _load_model_config(args.model)
-    options = system_options(args.model, EngineConfig(**_engine_knobs(args)))
+    options = system_options(args.model, EngineConfig(**_engine_knobs(args)), not args.single_process)
     configure_logs(args.log_level, stream=sys.stderr)
     if args.http:
         from dsv4serve.http.server import HttpOptions

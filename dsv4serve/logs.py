@@ -13,12 +13,14 @@ from typing import TextIO
 import structlog
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
+_configured = {"level": "warning"}  # what `configure` was last given (an engine-core process copies it)
 
 
 def configure(level: str = "info", stream: TextIO | None = None) -> None:
     """Render every structlog line as one JSON object on `stream` (default: sys.stderr)."""
     if level.lower() not in LEVELS:
         raise ValueError(f"log level: {level!r} is not one of {LEVELS}")
+    _configured["level"] = level.lower()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -37,3 +39,7 @@ def configure_default() -> None:
     """For embedders who configured nothing: warnings and errors as JSON on stderr, never stdout."""
     if not structlog.is_configured():
         configure("warning")
+
+
+def current_level() -> str:
+    return _configured["level"]

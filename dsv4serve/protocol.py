@@ -83,6 +83,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20  # most likely tokens reported per generated token
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
 TOP_NEEDS_LOGPROBS = "top_logprobs: needs logprobs true (0 without it)"
 MAX_INT = 2**63 - 1  # integer fields; a top_k at or above the vocabulary size means "off"
 MIN_SEED, MAX_SEED = -(2**63), MAX_INT
@@ -106,10 +107,47 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None  # None: derived from the engine seed and the request id
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # the model's EOS ids do not end the request (stop_token_ids still do)
+    # logit processing, in this order (vLLM's meanings): logit_bias added; repetition_penalty on every
+    # token of the prompt and output (a positive logit divided by it, a negative one multiplied);
+    # frequency / presence penalties subtracted per output occurrence / once per token that occurred;
+    # until min_tokens tokens are out, EOS and stop_token_ids cannot be sampled. Logprobs stay the
+    # model's own.
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether sampling rewrites this request's logits first (any of the fields above is on)."""
+        return bool(
+            self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     def __post_init__(self) -> None:
         t, p, k, seed = self.temperature, self.top_p, self.top_k, self.seed
         check_value("ignore_eos", isinstance(self.ignore_eos, bool), "a bool", self.ignore_eos)
+        n = self.min_tokens
+        check_value("min_tokens", is_int(n) and 0 <= n <= MAX_INT, "an int in [0, 2**63)", n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            check_value(name, is_number(v) and -2 <= v <= 2, "a number in [-2, 2]", v)
+        r = self.repetition_penalty
+        check_value("repetition_penalty", is_number(r) and 0 < r <= 10, "a number in (0, 10]", r)
+        bias = self.logit_bias
+        ok = bias is None or isinstance(bias, dict)
+        check_value("logit_bias", ok, "an object of token id -> bias", bias)
+        if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: expected at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for key, value in (bias or {}).items():
+            check_value(f"logit_bias[{key!r}]", is_int(key) and 0 <= key <= MAX_INT, "a token id key", key)
+            ok = is_number(value) and -100 <= value <= 100
+            check_value(f"logit_bias[{key}]", ok, "a number in [-100, 100]", value)
         check_value("temperature", is_number(t) and t >= 0, "a number >= 0", t)
         check_value("top_p", is_number(p) and 0 < p <= 1, "a number in (0, 1]", p)
         check_value("top_k", is_int(k) and 0 <= k <= MAX_INT, "an int in [0, 2**63) (0 = off)", k)
@@ -140,6 +178,8 @@ class SamplingParams(SamplingFields, frozen=True, kw_only=True, forbid_unknown_f
         check_value("top_logprobs", is_int(top) and 0 <= top <= most, f"an int in [0, {most}]", top)
         if top and not self.logprobs:
             raise ValueError(TOP_NEEDS_LOGPROBS)
+        if self.min_tokens > n:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({n})")
         if isinstance(self.stop, str):  # one stop string
             msgspec.structs.force_setattr(self, "stop", (self.stop,))
         for i, text in enumerate(_as_tuple(self, "stop", MAX_STOP_STRINGS)):
@@ -365,6 +405,9 @@ def check_submit(req: Submit, vocab_size: int) -> None:
         if min(ids) < 0 or max(ids) >= vocab_size:  # C-speed scans; the index only on the slow path
             i, tid = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
             raise bad(f"prompt_token_ids[{i}]: {tid} is outside the vocabulary [0, {vocab_size})")
+    outside = [t for t in req.params.logit_bias or () if t >= vocab_size]
+    if outside:
+        raise bad(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 def _is_id(rid: object) -> bool:
@@ -542,6 +585,10 @@ class StepItem(msgspec.Struct, frozen=True, kw_only=True):
     sample: bool  # False for a prefill chunk that does not reach the prompt's end
     sampling: SamplingParams
     row: int = -1  # the request's row in the per-request tables; -1 until the allocator assigns it
+    # a sampling item of a request that processes its logits, not a lookahead: every token id so far
+    # (prompt then output) and the prompt's length, from which the executor rebuilds the row's counts
+    history: tuple[int, ...] | None = None
+    prompt_len: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -600,7 +647,14 @@ class CancelRequest(_Msg, frozen=True, tag="cancel_request"):
     rid: str
 
 
-TokenizerMsg: TypeAlias = Submit | Detokenize | FailRequest | CancelRequest | Drain
+class Outputs(_Msg, frozen=True, tag="outputs"):
+    """Everything one scheduler report has for the tokenizer (each request's new ids, ends and
+    failures, in order): one message a step, so a process boundary carries one frame a step."""
+
+    items: tuple[Detokenize | FailRequest, ...]
+
+
+TokenizerMsg: TypeAlias = Submit | Outputs | Detokenize | FailRequest | CancelRequest | Drain
 
 
 def submit_of(req: Generate) -> Submit:
@@ -658,6 +712,32 @@ class StopHit(_Msg, frozen=True, tag="stop_hit"):
 
 
 SchedulerMsg: TypeAlias = Tokenized | CancelRequest | StepDone | AllocRefused | StopHit | Drain
+
+
+# ---------------------------------------------------------------- internal: the engine-core process boundary
+
+
+class CoreStatus(_Msg, frozen=True, tag="core_status"):
+    """The engine core's gauges and pool usage, sent with every frame it writes to the front process
+    (and on its own while idle) so that `stats` there reads them without a round trip."""
+
+    running: int
+    waiting: int
+    num_steps: int
+    num_preemptions: int
+    num_generated: int
+    pools: dict[str, tuple[int, int]]  # name -> (used, capacity) slots
+
+
+class CoreReady(_Msg, frozen=True, tag="core_ready"):
+    """The engine core loaded its model and runs its actors (the first frame it writes)."""
+
+    weight_bytes: dict[str, int]
+    pid: int
+
+
+FrontToCore: TypeAlias = Tokenized | CancelRequest | StopHit | Drain  # the tokenizer's sends
+CoreToFront: TypeAlias = CoreReady | Outputs | Drain | CoreStatus  # the scheduler's, and the core's own
 
 
 # ---------------------------------------------------------------- internal: allocator, kv_writer, executor

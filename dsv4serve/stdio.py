@@ -22,7 +22,8 @@ import structlog
 import trio
 
 from dsv4serve import protocol
-from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
+from dsv4serve.actors.core_process import run_engine
+from dsv4serve.actors.system import EngineHandle, SystemOptions, is_core_death
 from dsv4serve.protocol import ErrorEvent, Event, RequestError
 
 MAX_LINE_BYTES = 64 << 20  # one request line (a long prompt_token_ids list fits comfortably)
@@ -40,9 +41,14 @@ Signals: TypeAlias = AsyncIterator[int]
 
 def run(options: SystemOptions, drain_grace_s: float = DRAIN_GRACE_S) -> int:
     """The `serve --stdio` process body: its exit status (0 after EOF, `shutdown` or SIGTERM; 130
-    after SIGINT)."""
+    after SIGINT; 1 when the engine core died, every request in flight answered with an error)."""
     out_fd = take_stdout()
-    return trio.run(_main, options, out_fd, drain_grace_s)
+    try:
+        return trio.run(_main, options, out_fd, drain_grace_s)
+    except BaseException as exc:
+        if not is_core_death(exc):
+            raise
+        return 1
 
 
 def take_stdout() -> int:
@@ -107,8 +113,9 @@ async def serve_engine(
     drain_grace_s: float = DRAIN_GRACE_S,
 ) -> None:
     async with trio.open_nursery() as nursery:
-        handle: EngineHandle = await nursery.start(run_system, options)
+        handle: EngineHandle = await nursery.start(run_engine, options)
         log.info("ready", model=str(options.model_dir))
+        nursery.start_soon(_stop_reading_when_stopped, handle, stop)
         watching = trio.CancelScope()
         if signals is not None:
             nursery.start_soon(_watch_signals, signals, stop, drain_grace_s, log, watching)
@@ -121,6 +128,15 @@ async def serve_engine(
             log.warning("drain_cut_short")
             handle.shutdown()  # every request still live ends with an `internal` error
         watching.cancel()
+    handle.raise_if_failed()
+
+
+async def _stop_reading_when_stopped(handle: EngineHandle, stop: _Stop) -> None:
+    """An engine that stopped on its own (its core process died) has failed every live request: stop
+    reading (the process then exits non-zero)."""
+    await handle.stopped.wait()
+    if handle.failure is not None:
+        stop.reading.cancel()
 
 
 async def _watch_signals(

@@ -35,6 +35,7 @@ from dsv4serve.protocol import (
     ErrorEvent,
     Event,
     ExecutorMsg,
+    Outputs,
     RequestError,
     SampledToken,
     SamplingParams,
@@ -192,8 +193,9 @@ async def test_credit_rule_never_more_than_k_steps_in_flight(k: int, autojump_cl
 
     async def fake_tokenizer() -> None:
         async for msg in tok_inbox:
-            if isinstance(msg, Detokenize) and msg.finish_reason is not None:
-                finished[msg.rid] = msg.finish_reason
+            for item in msg.items if isinstance(msg, Outputs) else ():
+                if isinstance(item, Detokenize) and item.finish_reason is not None:
+                    finished[item.rid] = item.finish_reason
             if isinstance(msg, Drain):
                 return
 

@@ -7,6 +7,8 @@ every step runs the model; only the sampled rows are biased toward the script's 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -409,29 +411,14 @@ def test_overload_429_and_drain_503(tiny_model_dir: Path) -> None:
 
 
 def test_a_burst_of_1000_streams_is_answered_without_resets(tiny_model_dir: Path) -> None:
-    """1,000 streaming requests opened at once (one client process: the server's own): each is
-    streamed to [DONE] or refused with 429 (the waiting queue is full), none reset. The resets issue
-    29 reports came from separate client processes; this in-process burst has not reproduced them."""
+    """1,000 streaming requests opened at once from a separate client process: each is streamed to
+    [DONE] or refused with 429 (the waiting queue is full), none reset. (With hypercorn's default listen
+    backlog of 100 the kernel reset 175-334 of them here.)"""
     model = ServedModel(tiny_model_dir, EngineConfig(max_total_tokens=8192, max_num_seqs=64), max_waiting=256)
-    num = 1000
-
-    async def one(http: httpx.AsyncClient, i: int, ends: list[str]) -> None:
-        body = {"model": "tiny", "prompt": f"burst {i}", "max_tokens": 2, "stream": True}
-        try:
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    ends[i] = str(r.status_code)
-                    return
-                async for line in r.aiter_lines():
-                    if line == "data: [DONE]":
-                        ends[i] = "done"
-        except httpx.TransportError as exc:
-            ends[i] = type(exc).__name__
-
     try:
-        ends = concurrently(model.url, num, one, ["none"] * num, 300)
-        counts = {e: ends.count(e) for e in set(ends)}
+        client = [sys.executable, str(Path(__file__).parent / "burst_client.py"), model.url, "1000"]
+        done = subprocess.run(client, capture_output=True, text=True, timeout=400, check=True)
+        counts = json.loads(done.stdout)
         assert set(counts) <= {"done", "429"} and counts.get("done", 0) > 0, counts
         wait_free(model)
     finally:

@@ -139,6 +139,29 @@ INTERNAL: list[tuple[Any, Any]] = [
     (p.TablesReady(step=7, plan=PLAN), p.ExecutorMsg),
     (p.Drain(), p.ExecutorMsg),
     (make_locs(), p.CacheLocs),
+    (
+        p.Outputs(
+            items=(
+                p.Detokenize(rid="a", token_ids=(5,), logprobs=(-0.5,)),
+                p.FailRequest(rid="b", code="internal", message="step failed"),
+                p.Detokenize(rid="c", token_ids=(), finish_reason="cancelled"),
+            )
+        ),
+        p.CoreToFront,
+    ),
+    (p.Tokenized(rid="r1", prompt_token_ids=(1, 2), params=SAMPLING), p.FrontToCore),
+    (p.CoreReady(weight_bytes={"bfloat16": 10}, pid=7), p.CoreToFront),
+    (
+        p.CoreStatus(
+            running=1,
+            waiting=2,
+            num_steps=3,
+            num_preemptions=0,
+            num_generated=9,
+            pools={"full": (128, 4096)},
+        ),
+        p.CoreToFront,
+    ),
 ]
 
 CASES = PUBLIC + INTERNAL

@@ -126,6 +126,13 @@ async def test_cancel_duplicate_and_context_errors(tiny_dir: Path) -> None:
             await events_of(submit(handle, "long", prompt_token_ids=(0, 11), max_tokens=2), timeout_s=60)
         )[-1]
         assert isinstance(again, DoneEvent)
+        early = submit(handle, "early", prompt="cancelled before it is even tokenized", max_tokens=6)
+        assert handle.cancel("early")
+        assert (await events_of(early, timeout_s=60))[-1].finish_reason == "cancelled"  # type: ignore[union-attr]
+        # every accepted request counted once by how it ended, the tokenizer's refusals included
+        ended = handle.stats().finished_by_reason
+        assert ended.get("cancelled") == 2 and ended.get("error") == 1, ended
+        assert handle.stats().num_finished == 5
     assert_all_free(handle)
 
 

@@ -29,6 +29,7 @@ from dsv4serve.protocol import (
     FinishReason,
     Free,
     FreeReason,
+    Outputs,
     SampledToken,
     SchedulerMsg,
     StepDone,
@@ -97,8 +98,10 @@ class _Scheduler:
             await self.report((), (outcome.finished,))
 
     async def report(self, tokens: Iterable[SampledToken], finished: Iterable[Finished]) -> None:
-        """Free what the finished requests hold; send every request's new ids (and end) as one message."""
+        """Free what the finished requests hold; send every request's new ids (and end) to the tokenizer
+        in one `Outputs` message."""
         new = {t.rid: t for t in tokens}
+        items: list[Detokenize | FailRequest] = []
         for fin in finished:
             by_reason = self.gauges.finished_by_reason
             by_reason[fin.finish_reason] = by_reason.get(fin.finish_reason, 0) + 1
@@ -109,13 +112,12 @@ class _Scheduler:
             failure = self.failures.pop(fin.rid, "step failed")
             if fin.finish_reason == "error":
                 code: ErrorCode = "context_too_long" if fin.message == UNSERVABLE else "internal"
-                message = fin.message or failure
-                await self.tokenizer.send(FailRequest(rid=fin.rid, code=code, message=message))
+                items.append(FailRequest(rid=fin.rid, code=code, message=fin.message or failure))
             else:
-                msg = _detokenize(fin.rid, token, fin.finish_reason, fin.num_preemptions)
-                await self.tokenizer.send(msg)
-        for token in new.values():
-            await self.tokenizer.send(_detokenize(token.rid, token))
+                items.append(_detokenize(fin.rid, token, fin.finish_reason, fin.num_preemptions))
+        items.extend(_detokenize(token.rid, token) for token in new.values())
+        if items:
+            await self.tokenizer.send(Outputs(items=tuple(items)))
 
     async def launch(self) -> None:
         while (plan := self.core.plan()) is not None:

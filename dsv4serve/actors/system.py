@@ -4,7 +4,10 @@ Flow (bounded channels; capacities below):
   handle --Submit/Cancel/Drain--> tokenizer --Tokenized/StopHit/Cancel--> scheduler
   scheduler --Allocate/Free--> allocator --WriteLocs--> kv_writer --TablesReady--> executor
   allocator --AllocRefused--> scheduler;  executor --StepDone--> scheduler
-  scheduler --Detokenize/FailRequest--> tokenizer --events--> client channels
+  scheduler --Outputs (a step's Detokenize/FailRequest)--> tokenizer --events--> client channels
+With `SystemOptions.core_process` the tokenizer <-> scheduler edges cross a process boundary
+(core_process.py): the handle and the tokenizer stay in the front process, the rest run in the
+engine core, and the channels' messages travel as msgpack frames over a Unix socket.
 Deadlock freedom: the scheduler's inbox is sized never to fill (at most 2 messages per in-flight step,
 K steps by the credit rule, and at most 3 per live request, whose number the handle caps), so the
 executor, allocator and tokenizer never block on it, and every other edge drains downstream. The
@@ -65,8 +68,31 @@ class SystemOptions:
     engine: EngineConfig
     max_waiting: int = 1024  # admission bound: live requests <= max_waiting + max_num_seqs
     max_inflight_steps: int = 2  # credit rule K
+    core_process: bool = False  # the engine core (scheduler .. executor) in a process of its own
     # a model already built (benchmarks build random weights on the device): used instead of loading
     prebuilt: tuple[ModelRunner, PreTrainedTokenizerFast] | None = field(default=None, compare=False)
+
+
+class EngineCoreDied(RuntimeError):
+    """The engine-core process exited while it still held requests (`EngineHandle.failure` says how)."""
+
+
+def is_core_death(exc: BaseException) -> bool:
+    """Whether `exc` is EngineCoreDied, alone or as the only kind in (nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_core_death(e) for e in exc.exceptions)
+    return isinstance(exc, EngineCoreDied)
+
+
+@dataclass(frozen=True)
+class FrontParts:
+    """What the handle and the tokenizer drive (the front process's share of `Parts`)."""
+
+    model: ServedModelConfig
+    encode: Callable[[str], list[int]]
+    decoder: SupportsDecode
+    max_token_chars: int | None = None
+    weight_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,6 +108,10 @@ class Parts:
     max_token_chars: int | None = None  # the longest token's text (None: no early length check)
     weight_bytes: dict[str, int] = field(default_factory=dict)  # resident weight bytes by format
 
+    @property
+    def front(self) -> FrontParts:
+        return FrontParts(self.model, self.encode, self.decoder, self.max_token_chars, self.weight_bytes)
+
 
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
     if options.prebuilt is not None:
@@ -94,7 +124,23 @@ def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizer
 
 
 def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
-    """Launches run under one CapacityLimiter(1) for the device: in a worker thread, except the replay
+    allocator, write_locs, launch = device_parts(runner)
+    return Parts(
+        model=runner.model_cfg,
+        allocator=allocator,
+        encode=partial(encode_prompt, tok, prepend_bos=spec_for(runner.model_cfg.model_type).prompt_bos),
+        decoder=tok,
+        max_token_chars=max_token_chars(tok),
+        write_locs=write_locs,
+        launch=launch,
+        weight_bytes=runner.weight_bytes,
+    )
+
+
+def device_parts(runner: ModelRunner) -> tuple[KVAllocator, WriteLocsFn, LaunchFn]:
+    """What the engine-core actors drive: the allocator and the two device functions.
+
+    Launches run under one CapacityLimiter(1) for the device: in a worker thread, except the replay
     of a captured decode graph (~0.1-0.4 ms of host work, less than a thread's round trip costs on top:
     ~0.17 ms on a 2-core machine); collects of steps still on the device wait in worker threads (the
     GIL released)."""
@@ -119,16 +165,11 @@ def parts_of(runner: ModelRunner, tok: PreTrainedTokenizerFast) -> Parts:
 
         return collect
 
-    return Parts(
-        model=runner.model_cfg,
-        allocator=KVAllocator(runner.model_cfg, runner.engine, runner.sizes),
-        encode=partial(encode_prompt, tok, prepend_bos=spec_for(runner.model_cfg.model_type).prompt_bos),
-        decoder=tok,
-        max_token_chars=max_token_chars(tok),
-        write_locs=write_locs,
-        launch=launch,
-        weight_bytes=runner.weight_bytes,
-    )
+    allocator = KVAllocator(runner.model_cfg, runner.engine, runner.sizes)
+    return allocator, write_locs, launch
+
+
+PoolUsageFn = Callable[[], dict[str, tuple[int, int]]]  # pool name -> (used, capacity) slots
 
 
 class EngineHandle:
@@ -136,22 +177,26 @@ class EngineHandle:
 
     def __init__(
         self,
-        parts: Parts,
+        model: ServedModelConfig,
+        decoder: SupportsDecode,
+        pool_usage: PoolUsageFn,
+        weight_bytes: dict[str, int],
         options: SystemOptions,
         front: trio.MemorySendChannel[TokenizerMsg],
         clients: Clients,
         gauges: SchedulerGauges,
         nursery: trio.Nursery,
     ) -> None:
-        self.model = parts.model
-        self.decoder = parts.decoder  # token strings for front doors (logprobs)
-        self._allocator = parts.allocator
-        self._weight_bytes = parts.weight_bytes
+        self.model = model
+        self.decoder = decoder  # token strings for front doors (logprobs)
+        self._pool_usage = pool_usage
+        self._weight_bytes = weight_bytes
         self._front, self._clients, self._gauges, self._nursery = front, clients, gauges, nursery
         self._max_live = options.max_waiting + options.engine.max_num_seqs
         self._started_at = trio.current_time()
         self._draining = False
         self.stopped = trio.Event()
+        self.failure: str | None = None  # why the engine stopped on its own (its core process died)
 
     def submit(self, req: Submit, events: trio.MemorySendChannel[Event]) -> None:
         if self._draining or self.stopped.is_set():
@@ -199,16 +244,16 @@ class EngineHandle:
             pools=pools,
             tokens_per_s=gauges.tokens_per_s(now, uptime),
             num_steps=gauges.num_steps,
-            num_finished=gauges.num_finished,
+            num_finished=sum(self._clients.ended_by_reason.values()),
             num_preemptions=gauges.num_preemptions,
             uptime_s=uptime,
             weight_bytes=dict(self._weight_bytes),
-            finished_by_reason=dict(gauges.finished_by_reason),
+            finished_by_reason=dict(self._clients.ended_by_reason),  # also those the engine never saw
             num_generated=gauges.num_generated,
         )
 
     def pool_usage(self) -> dict[str, tuple[int, int]]:
-        return {name: (u.used, u.capacity) for name, u in self._allocator.usage().items()}
+        return self._pool_usage()
 
     async def drain(self) -> None:
         if not self._draining and not self.stopped.is_set():
@@ -216,6 +261,17 @@ class EngineHandle:
             with contextlib.suppress(*_GONE):
                 await self._front.send(Drain())
         await self.stopped.wait()
+
+    def core_died(self, message: str) -> None:
+        """The engine core is gone: every live request ends with `message`, new ones are refused, and
+        the system stops (`failure` set; the servers then exit non-zero)."""
+        self.failure, self._draining = message, True
+        fail_live(self._clients, message)
+        self._nursery.cancel_scope.cancel()
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise EngineCoreDied(self.failure)
 
     def shutdown(self) -> None:
         self._draining = True
@@ -225,7 +281,8 @@ class EngineHandle:
 async def run_system(
     options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Load the model (in a worker thread), then run the actors; returns after drain or shutdown."""
+    """Load the model (in a worker thread), then run the actors in this process; returns after drain
+    or shutdown. (`core_process.run_engine` is the entry that honours `options.core_process`.)"""
     log = structlog.get_logger().bind(actor="system")
     runner, tok = await trio.to_thread.run_sync(load_model, options)
     parts = parts_of(runner, tok)
@@ -238,33 +295,87 @@ async def run_system(
     await run_actors(parts, options, task_status=task_status)
 
 
-async def run_actors(
-    parts: Parts,
+def channel_sizes(options: SystemOptions) -> tuple[int, int]:
+    """The tokenizer's and the scheduler's inbox capacities (the module docstring's rule)."""
+    max_live, k = options.max_waiting + options.engine.max_num_seqs, options.max_inflight_steps
+    return 2 * max_live + 64, 4 * max_live + 4 * k + 64
+
+
+def start_engine_actors(
+    nursery: trio.Nursery,
+    model: ServedModelConfig,
     options: SystemOptions,
-    *,
-    task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
+    device: tuple[KVAllocator, WriteLocsFn, LaunchFn],
+    scheduler: tuple[trio.MemorySendChannel[SchedulerMsg], trio.MemoryReceiveChannel[SchedulerMsg]],
+    tokenizer: trio.MemorySendChannel[TokenizerMsg],
+    gauges: SchedulerGauges,
+    handle: EngineHandle | None = None,
 ) -> None:
+    """The engine core: scheduler, allocator, KV writer and executor, in one process (with the
+    tokenizer, or in the engine-core process). `scheduler`: its inbox's two ends (this function owns
+    the send end: the allocator gets a clone, the executor the end itself); `tokenizer`: where the
+    scheduler's outputs go."""
+    del handle  # in one process the handle needs nothing from the core
     engine, k = options.engine, options.max_inflight_steps
-    max_live = options.max_waiting + engine.max_num_seqs
-    max_model_len = engine.resolved_max_model_len(parts.model)
-    front, tokenizer_inbox = trio.open_memory_channel[TokenizerMsg](2 * max_live + 64)
-    to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMsg](4 * max_live + 4 * k + 64)
+    allocator, write_locs, launch = device
+    to_scheduler, scheduler_inbox = scheduler
     to_allocator, allocator_inbox = trio.open_memory_channel[AllocatorMsg](2 * engine.max_num_seqs + k + 16)
     to_writer, writer_inbox = trio.open_memory_channel[KVWriterMsg](k)
     to_executor, executor_inbox = trio.open_memory_channel[ExecutorMsg](k)
     core = SchedulerCore(
         engine.max_num_seqs,
         engine.max_num_batched_tokens,
-        max_model_len,
+        engine.resolved_max_model_len(model),
         k,
-        parts.model.eos_token_ids,
+        model.eos_token_ids,
         lookahead=True,
     )
+    nursery.start_soon(run_scheduler, scheduler_inbox, to_allocator, tokenizer, core, gauges)
+    nursery.start_soon(run_allocator, allocator_inbox, to_writer, to_scheduler.clone(), allocator)
+    nursery.start_soon(run_kv_writer, writer_inbox, to_executor, write_locs)
+    nursery.start_soon(run_executor, executor_inbox, to_scheduler, launch, k)
+
+
+async def run_actors(
+    parts: Parts,
+    options: SystemOptions,
+    *,
+    task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Every actor in this trio run (the in-process engine)."""
+
+    def pool_usage() -> dict[str, tuple[int, int]]:
+        return {name: (u.used, u.capacity) for name, u in parts.allocator.usage().items()}
+
+    device = (parts.allocator, parts.write_locs, parts.launch)
+    start_core = partial(start_engine_actors, model=parts.model, options=options, device=device)
+    await run_front_actors(parts.front, pool_usage, options, start_core, task_status=task_status)
+
+
+StartCore = Callable[..., None]  # (nursery, scheduler=(send, receive), tokenizer=send, gauges=...) -> None
+
+
+async def run_front_actors(
+    parts: FrontParts,
+    pool_usage: PoolUsageFn,
+    options: SystemOptions,
+    start_core: StartCore,
+    *,
+    task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The handle and the tokenizer, and the engine core as `start_core` starts it: its actors here, or
+    the bridge to its process. Every request still live when this returns has got an error event."""
+    tokenizer_size, scheduler_size = channel_sizes(options)
+    front, tokenizer_inbox = trio.open_memory_channel[TokenizerMsg](tokenizer_size)
+    to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMsg](scheduler_size)
     clients, gauges = Clients(), SchedulerGauges()
     handle: EngineHandle | None = None
     try:
         async with trio.open_nursery() as nursery:
-            handle = EngineHandle(parts, options, front, clients, gauges, nursery)
+            handle = EngineHandle(
+                parts.model, parts.decoder, pool_usage, parts.weight_bytes, options, front, clients, gauges,
+                nursery,
+            )  # fmt: skip
             async with to_scheduler:  # the actors hold clones
                 nursery.start_soon(
                     run_tokenizer,
@@ -273,29 +384,31 @@ async def run_actors(
                     clients,
                     parts.encode,
                     parts.decoder,
-                    max_model_len,
+                    options.engine.resolved_max_model_len(parts.model),
                     parts.max_token_chars,
+                    parts.model.vocab_size,
                 )
-                nursery.start_soon(run_scheduler, scheduler_inbox, to_allocator, front.clone(), core, gauges)
-                nursery.start_soon(
-                    run_allocator, allocator_inbox, to_writer, to_scheduler.clone(), parts.allocator
+                start_core(
+                    nursery,
+                    scheduler=(to_scheduler.clone(), scheduler_inbox),
+                    tokenizer=front.clone(),
+                    gauges=gauges,
+                    handle=handle,
                 )
-                nursery.start_soon(run_kv_writer, writer_inbox, to_executor, parts.write_locs)
-                nursery.start_soon(run_executor, executor_inbox, to_scheduler.clone(), parts.launch, k)
             task_status.started(handle)
     except Exception:
         structlog.get_logger().bind(actor="system").exception("engine_crashed")
         raise
     finally:
-        _fail_live(clients, "the engine stopped before the request finished")
+        fail_live(clients, "the engine stopped before the request finished")
         front.close()
         if handle is not None:
             handle.stopped.set()
 
 
-def _fail_live(clients: Clients, message: str) -> None:
+def fail_live(clients: Clients, message: str) -> None:
     for rid, client in clients.live():
-        clients.end(rid)
+        clients.end(rid, "error")
         try:
             client.events.send_nowait(ErrorEvent(id=rid, code="internal", message=message))
         except (trio.WouldBlock, *_GONE):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import assert_never
+from typing import Literal, assert_never
 
 import structlog
 import trio
@@ -26,6 +26,7 @@ from dsv4serve.protocol import (
     Event,
     FailRequest,
     FinishReason,
+    Outputs,
     SchedulerMsg,
     StopHit,
     Submit,
@@ -58,6 +59,7 @@ class Clients:
     def __init__(self) -> None:
         self._by_rid: dict[str, Client] = {}
         self.num_live = 0
+        self.ended_by_reason: dict[str, int] = {}  # every accepted request once, by how it ended
 
     def get(self, rid: str) -> Client | None:
         return self._by_rid.get(rid)
@@ -67,11 +69,12 @@ class Clients:
         self._by_rid[rid] = client
         self.num_live += 1
 
-    def end(self, rid: str) -> Client:
+    def end(self, rid: str, reason: FinishReason | Literal["error"]) -> Client:
         client = self._by_rid[rid]
         assert not client.ended, f"{rid} ended twice"
         client.ended = True
         self.num_live -= 1
+        self.ended_by_reason[reason] = self.ended_by_reason.get(reason, 0) + 1
         self._forget_if_done(rid, client)
         return client
 
@@ -122,6 +125,7 @@ class _Tokenizer:
     decoder: SupportsDecode
     max_model_len: int
     max_token_chars: int | None = None  # the longest token's text: longer prompts cannot fit
+    vocab_size: int | None = None  # the model's: a tokenizer that yields ids past it is refused
     outputs: dict[str, _Output] = field(default_factory=dict)
     log: structlog.typing.FilteringBoundLogger = field(
         default_factory=lambda: structlog.get_logger().bind(actor="tokenizer")
@@ -151,6 +155,10 @@ class _Tokenizer:
             return
         except Exception as exc:  # a tokenizer fault: contained to this request
             await self.fault(msg.rid, "encode_failed", exc)
+            return
+        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:  # text prompts only
+            why = f"prompt: the tokenizer gave token id {max(ids)}, outside the model's vocabulary"
+            await self.fail(msg.rid, "invalid_request", f"{why} [0, {self.vocab_size})")
             return
         if len(ids) + msg.params.max_tokens > self.max_model_len:
             why = f"prompt ({len(ids)} tokens) + max_tokens ({msg.params.max_tokens}) > max_model_len"
@@ -203,7 +211,7 @@ class _Tokenizer:
 
     async def done(self, rid: str, reason: FinishReason, num_preemptions: int) -> None:
         out = self.outputs.pop(rid)
-        client = self.clients.end(rid)
+        client = self.clients.end(rid, reason)
         now = trio.current_time()
         total_ms = (now - client.arrival) * 1e3
         ttft_ms = ((out.first_token_at or now) - client.arrival) * 1e3
@@ -248,7 +256,7 @@ class _Tokenizer:
             self.clients.engine_released(rid)
             return
         self.outputs.pop(rid, None)
-        client = self.clients.end(rid)
+        client = self.clients.end(rid, "error")
         self.log.info("request", rid=rid, finish_reason="error", code=code, message=message)
         await self.emit_terminal(rid, ErrorEvent(id=rid, code=code, message=message), client)
 
@@ -299,16 +307,23 @@ async def run_tokenizer(
     decoder: SupportsDecode,
     max_model_len: int,
     max_token_chars: int | None = None,
+    vocab_size: int | None = None,
 ) -> None:
     """The first Drain (from the handle, after every accepted Submit) goes on to the scheduler; the
     second (the scheduler's, after every request's last message) ends the actor."""
-    state = _Tokenizer(scheduler, clients, encode, decoder, max_model_len, max_token_chars)
+    state = _Tokenizer(scheduler, clients, encode, decoder, max_model_len, max_token_chars, vocab_size)
     num_drains = 0
     async with inbox, scheduler:
         async for msg in inbox:
             match msg:
                 case Submit():
                     await state.submit(msg)
+                case Outputs(items=items):
+                    for item in items:
+                        if isinstance(item, Detokenize):
+                            await state.tokens(item)
+                        else:
+                            await state.fail(item.rid, item.code, item.message)
                 case Detokenize():
                     await state.tokens(msg)
                 case FailRequest(rid=rid, code=code, message=message):

@@ -19,6 +19,7 @@ from dsv4serve.backends import Backend, HostCopy, Transfers, select
 from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.executor.graphs import DecodeGraphs, GraphKey
 from dsv4serve.executor.inputs import SamplingFlags, host_words, spans
+from dsv4serve.executor.processing import LogitProcessing, Prepared
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
 from dsv4serve.layers.linear import Weight, quantize_weights_int8, resident_bytes
 from dsv4serve.memory.buffers import LayoutBuffers
@@ -149,6 +150,7 @@ class ModelRunner:
         compressed = [p.ratio for p in cfg.kv_layout.pools if p.index == "compressed"]
         self.ratios = tuple(sorted(compressed))
         self.last_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        self.processing = LogitProcessing(engine.max_num_seqs + 1, cfg.eos_token_ids, self.device)
         self.graphs: DecodeGraphs | None = None
         self._last_key: tuple[StepPlan | None, GraphKey | None] = (None, None)
         if engine.graphs and self.ops.graphs is not None and self.ops.graphs.supports(self.device):
@@ -177,10 +179,20 @@ class ModelRunner:
         kept = self.last_tokens[batch.rows[batch.token_req]]  # (T,)
         return dataclasses.replace(batch, input_ids=torch.where(ids >= 0, ids, kept))
 
-    def _sample(self, batch: ForwardBatch, logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    def _sample(
+        self,
+        batch: ForwardBatch,
+        logits: torch.Tensor,
+        params: SamplingBatch,
+        processing: Prepared | None = None,
+    ) -> torch.Tensor:
         """Sample the rows (S, V), remember each request's token (a lookahead's input), and return
-        (2 + 2k, S) float64: ids, logprobs, then k = params.num_top rows of top ids and of top logprobs."""
-        tokens, logprobs = sample(logits, params)
+        (2 + 2k, S) float64: ids, logprobs, then k = params.num_top rows of top ids and of top logprobs.
+        `processing`: the step's logit processing (eager steps only)."""
+        chosen_from = None if processing is None else self.processing.apply(logits, processing)
+        tokens, logprobs = sample(logits, params, chosen_from)
+        if processing is not None:
+            self.processing.record(processing, tokens)
         self.last_tokens[batch.rows[batch.token_req[batch.sample_index]]] = tokens
         rows = [tokens[None].double(), logprobs[None].double()]
         if params.num_top:
@@ -241,7 +253,8 @@ class ModelRunner:
                 (), torch.zeros(2, 0, dtype=torch.float64, device=self.device), kept, transfers
             )
         rows = logits if not all_logits else logits[batch.sample_index]
-        return PendingStep.of(sampled, self._sample(batch, rows, params), kept, transfers)
+        processing = self.processing.prepare(sampled, rows.shape[-1])
+        return PendingStep.of(sampled, self._sample(batch, rows, params, processing), kept, transfers)
 
 
 def _int8_names(spec: ModelSpec[Any], cfg: ServedModelConfig) -> set[str]:

@@ -76,17 +76,22 @@ def argmax_rows(x: torch.Tensor, chunks: int = 128) -> torch.Tensor:
     return best * (V // chunks) + index.gather(1, best[:, None]).squeeze(1)
 
 
-def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, params: SamplingBatch, chosen_from: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (S, V) -> (token ids (S,), logprobs of those tokens under the model's distribution (S,)).
 
-    Without `want_logprobs` the logprobs are zeros: no full-vocabulary logsumexp is run.
+    `chosen_from`: the logits after processing (penalties, bias), which tokens are drawn from; the
+    logprobs stay the model's. Without `want_logprobs` the logprobs are zeros: no full-vocabulary
+    logsumexp is run.
     """
     logits = logits.float()
+    model_logits, logits = logits, (logits if chosen_from is None else chosen_from.float())
 
     def logprob(tokens: torch.Tensor) -> torch.Tensor:
         if not params.want_logprobs:
             return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        return logits.gather(1, tokens[:, None]).squeeze(1) - log_normalizer(logits)
+        return model_logits.gather(1, tokens[:, None]).squeeze(1) - log_normalizer(model_logits)
 
     greedy = argmax_rows(logits)
     if params.all_greedy:

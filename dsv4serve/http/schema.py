@@ -25,7 +25,6 @@ Stop: TypeAlias = StopText | Annotated[list[StopText], msgspec.Meta(max_length=1
 TokenPrompt = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
 # a text, token ids, or a list of texts or of id lists (msgspec takes one array type: `prompts` checks)
 Prompt: TypeAlias = str | Annotated[list[str | TokenId | TokenPrompt], msgspec.Meta(min_length=1)]
-Penalty = Annotated[float, msgspec.Meta(ge=0, le=0)]  # accepted only at 0 (penalties are not supported)
 NumTop = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
@@ -40,8 +39,6 @@ class _Sampling(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
     user: str | None = None
 
     @property

@@ -21,11 +21,13 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from dsv4serve.actors.system import EngineHandle, SystemOptions, run_system
+from dsv4serve.actors.core_process import run_engine
+from dsv4serve.actors.system import EngineHandle, SystemOptions, is_core_death
 from dsv4serve.http.app import MAX_BODY_BYTES, AppOptions, OpenAIApp
 from dsv4serve.models.registry import spec_for
 
 REASONS = {status.value: status.phrase for status in HTTPStatus}
+LISTEN_BACKLOG = 4096  # hypercorn's default (100) has the kernel drop connections of a larger burst
 
 
 def _response_with_reason(**fields: Any) -> h11.Response:
@@ -76,7 +78,7 @@ async def serve_http(
     """Serve until drained (see the module docstring); the engine stops with it."""
     log = structlog.get_logger().bind(actor="http")
     async with trio.open_nursery() as nursery:
-        handle: EngineHandle = await nursery.start(run_system, options)
+        handle: EngineHandle = await nursery.start(run_engine, options)
         app_options = AppOptions(
             model_name=http.model_name or options.model_dir.name,
             max_model_len=options.engine.resolved_max_model_len(handle.model),
@@ -88,20 +90,36 @@ async def serve_http(
         _give_hypercorn_reason_phrases()
         config = Config()
         config.bind = [f"{http.host}:{http.port}"]
+        config.backlog = LISTEN_BACKLOG
         config.accesslog = None
         config.errorlog = None  # unexpected failures reach our logs through the nursery
         config.certfile, config.keyfile = http.ssl_certfile, http.ssl_keyfile
         urls = await nursery.start(partial(serve, app, config, shutdown_trigger=app.drained.wait))  # type: ignore[arg-type]
         log.info("ready", model=str(options.model_dir), urls=list(urls))
         task_status.started(HttpServer(app, handle, tuple(urls)))
+        nursery.start_soon(_drain_when_stopped, handle, app)
         await app.drained.wait()
         await handle.drain()
+    handle.raise_if_failed()
     log.info("stopped")
 
 
+async def _drain_when_stopped(handle: EngineHandle, app: OpenAIApp) -> None:
+    """An engine that stopped on its own (its core process died) has failed every live request: the
+    server stops taking new ones, lets the answers in flight finish, and stops."""
+    await handle.stopped.wait()
+    app.begin_drain()
+
+
 def run(options: SystemOptions, http: HttpOptions) -> int:
-    """The `serve --http` process body: exit status 0 after a signal-triggered drain."""
-    trio.run(_main, options, http)
+    """The `serve --http` process body: exit status 0 after a signal-triggered drain, 1 when the engine
+    core died (every request in flight got an error)."""
+    try:
+        trio.run(_main, options, http)
+    except BaseException as exc:
+        if not is_core_death(exc):
+            raise
+        return 1
     return 0
 
 

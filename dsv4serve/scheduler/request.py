@@ -119,12 +119,16 @@ class Request:
         assert budget > 0 and self.num_uncomputed > 0, (self.rid, budget, self.num_uncomputed)
         start = self.num_computed
         end = min(self.num_tokens, start + budget)
+        sample = end == self.num_tokens
+        history = tuple(self.all_token_ids) if sample and self.sampling.processes_logits else None
         return StepItem(
             rid=self.rid,
             prefix_len=start,
             token_ids=tuple(self.all_token_ids[start:end]),
-            sample=end == self.num_tokens,
+            sample=sample,
             sampling=self.sampling,
+            history=history,
+            prompt_len=self.prompt_len if history is not None else 0,
         )
 
     def end_reason(self, max_model_len: int) -> EndReason | None:

@@ -1,0 +1,198 @@
+"""The engine core in a process of its own: the same tokens and counters as in one process; `kill -9`
+of the core gives every open stream an error and the server exits 1; the front's death makes the core
+cancel its requests, free their memory and exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dsv4serve import Engine, SamplingParams
+from dsv4serve.actors.core_process import Frames
+from tests.test_http_cli import free_port
+
+PROMPTS = ["Hello", "The quick brown fox", "1 2 3 4", "a"]
+
+
+def test_core_process_gives_the_same_tokens_and_counters(tiny_model_dir: Path) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=6, logprobs=True)
+    params = [greedy, sampled, greedy, sampled]
+    with Engine(tiny_model_dir, max_total_tokens=4096) as one:
+        want = one.generate(PROMPTS, params)
+    with Engine(tiny_model_dir, max_total_tokens=4096, core_process=True) as two:
+        got = two.generate(PROMPTS, params)
+        stats = two.stats()
+        assert stats.weight_bytes and stats.num_finished == len(PROMPTS)
+        assert stats.finished_by_reason == {"length": len(PROMPTS)}
+        assert stats.num_generated == 6 * len(PROMPTS)
+        deadline = time.monotonic() + 10  # the allocator frees after the last token went out
+        while any(used for used, _ in two.pool_usage().values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(used for used, _ in two.pool_usage().values()), two.pool_usage()
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.text for c in got] == [c.text for c in want]
+    for a, b in zip(got, want, strict=True):  # batches form by timing: fp32 sums may round apart
+        assert (a.logprobs is None) == (b.logprobs is None)
+        assert a.logprobs is None or a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_frames_survive_a_stream_split_anywhere() -> None:
+    import trio
+    import trio.testing
+
+    from dsv4serve.protocol import CancelRequest, Drain, FrontToCore
+
+    async def main() -> None:
+        left, right = trio.testing.memory_stream_pair()
+        sender, receiver = Frames(left, FrontToCore), Frames(right, FrontToCore)
+        batches: list[list[Any]] = [[CancelRequest(rid=f"r{i}") for i in range(n)] for n in (1, 3, 700)]
+        batches.append([Drain()])
+        for batch in batches:
+            await sender.send(batch)
+        await left.aclose()
+        for batch in batches:
+            assert await receiver.receive() == batch
+        assert await receiver.receive() is None
+
+    trio.run(main)
+
+
+# ---------------------------------------------------------------- a live `serve --http`
+
+
+class Server:
+    """`serve --http` as a process; its stderr (the engine core's too) read by a thread."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.port = free_port()
+        argv = [sys.executable, "-m", "dsv4serve", "serve", "--http", "--model", str(model_dir)]
+        argv += ["--port", str(self.port), "--max-total-tokens", "4096", "--served-model-name", "tiny"]
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        self.lines: list[dict[str, Any]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self.wait_for(lambda e: e.get("event") == "ready" and e.get("actor") == "http", 120)
+        assert ready, "the server did not start"
+        self.core_pid = int(self.wait_for(lambda e: "core_pid" in e, 1)["core_pid"])  # type: ignore[index]
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            try:
+                self.lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                self.lines.append({"text": line})
+
+    def wait_for(self, match: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((e for e in list(self.lines) if match(e)), None)
+            if found is not None:
+                return found
+            time.sleep(0.05)
+        return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if _alive(self.core_pid):
+            os.kill(self.core_pid, signal.SIGKILL)
+
+
+@contextmanager
+def server(model_dir: Path) -> Iterator[Server]:
+    srv = Server(model_dir)
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie no init reaps, in a container, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _open_streams(srv: Server, n: int) -> tuple[list[list[str]], list[threading.Thread], threading.Barrier]:
+    """n long streaming completions in threads; each thread's SSE data lines; the barrier is passed
+    once every stream has its first token."""
+    lines: list[list[str]] = [[] for _ in range(n)]
+    started = threading.Barrier(n + 1, timeout=120)
+    body = {"model": "tiny", "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    def run(i: int) -> None:
+        first = True
+        try:
+            with (
+                httpx.Client(timeout=120) as http,
+                http.stream(
+                    "POST", f"http://127.0.0.1:{srv.port}/v1/completions", json=body | {"prompt": f"p{i}"}
+                ) as r,
+            ):
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines[i].append(line[6:])
+                        if first:
+                            first = False
+                            started.wait()
+        except httpx.HTTPError as exc:  # a reset or a cut stream: recorded, the test decides
+            lines[i].append(f"!{type(exc).__name__}")
+        finally:
+            if first:
+                started.abort()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return lines, threads, started
+
+
+def test_kill_9_of_the_engine_core_errs_every_open_stream_and_the_server_exits_1(
+    tiny_model_dir: Path,
+) -> None:
+    with server(tiny_model_dir) as srv:
+        lines, threads, started = _open_streams(srv, 4)
+        started.wait()
+        os.kill(srv.core_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=60)
+        assert srv.proc.wait(timeout=60) == 1
+        for stream in lines:
+            assert stream[-1] == "[DONE]", stream[-3:]
+            error = json.loads(stream[-2])["error"]
+            assert "engine-core process died" in error["message"], error
+        assert srv.wait_for(lambda e: e.get("event") == "engine_core_died", 1) is not None
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL])
+def test_the_front_dying_makes_the_core_cancel_free_and_exit(tiny_model_dir: Path, how: int) -> None:
+    with server(tiny_model_dir) as srv:
+        _lines, _threads, started = _open_streams(srv, 3)
+        started.wait()
+        srv.proc.send_signal(how)
+        srv.proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while _alive(srv.core_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(srv.core_pid), "the engine core outlived its front"
+        gone = srv.wait_for(lambda e: e.get("event") == "front_gone", 5)
+        assert gone is not None and gone["cancelled"] == 3
+        stopped = srv.wait_for(lambda e: e.get("actor") == "core" and e.get("event") == "stopped", 5)
+        assert stopped is not None and not any(stopped["pools_used"].values()), stopped
