@@ -69,7 +69,7 @@ async def test_stdio_engine_crash_still_writes_the_accepted_requests_errors(
     async def fake_system(options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle]) -> None:
         await run_actors(parts, options, task_status=task_status)
 
-    monkeypatch.setattr(stdio, "run_system", fake_system)
+    monkeypatch.setattr(stdio, "run_engine", fake_system)
     stdin_send, stdin_recv = trio.testing.memory_stream_one_way_pair()
     stdout = trio.testing.MemorySendStream()
     request = {"type": "generate", "id": "r", "prompt_token_ids": letters("abc"), "max_tokens": 2}

@@ -99,7 +99,8 @@ class _Scheduler:
 
     async def report(self, tokens: Iterable[SampledToken], finished: Iterable[Finished]) -> None:
         """Free what the finished requests hold; send every request's new ids (and end) to the tokenizer
-        in one `Outputs` message."""
+        in one `Outputs` message (the gauges first: an engine-core process sends them along)."""
+        self.gauges.running, self.gauges.waiting = self.core.num_running, self.core.num_waiting
         new = {t.rid: t for t in tokens}
         items: list[Detokenize | FailRequest] = []
         for fin in finished:

@@ -141,6 +141,10 @@ class OpenAIApp:
             prompts = req.prompts()
         except s.BadBody as err:
             raise HttpError(400, str(err), "invalid_request", err.param) from None
+        if req.echo and req.logprobs is not None:
+            why = "echo: with logprobs (the prompt's logprobs) is not supported; echo alone is"
+            raise HttpError(400, why, "invalid_request", "echo")
+        echoes = [self._echo_text(prompt) for prompt in prompts for _ in range(req.n)] if req.echo else None
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
                 text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
@@ -149,7 +153,14 @@ class OpenAIApp:
                 submits.append(
                     _submit(f"{rid}-{p * req.n + j}", text, ids, req, req.max_tokens, j, logprobs, top)
                 )
-        await self._generate(scope, receive, out, submits, CompletionStream(rid, req, self.handle.decoder))
+        stream = CompletionStream(rid, req, self.handle.decoder, echoes)
+        await self._generate(scope, receive, out, submits, stream)
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        """What `echo` puts before a choice's text: a text prompt as given, token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return "".join(self.handle.decoder.decode(prompt))  # one list of ids decodes to one str
 
     async def _chat(self, scope: Scope, receive: Receive, out: Responder) -> None:
         req = await self._read(scope, receive, s.ChatRequest)

@@ -50,7 +50,7 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     prompt: Prompt
     max_tokens: MaxTokens = 16
     logprobs: NumTop | None = None  # n: the chosen tokens' logprobs and the n most likely per position
-    echo: Literal[False] = False
+    echo: bool = False  # each choice's text starts with its prompt's (not with logprobs: no prompt logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt per item; raises BadBody for a list that mixes kinds."""

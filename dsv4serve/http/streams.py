@@ -90,8 +90,22 @@ class _Base:
 
 
 class CompletionStream(_Base):
+    def __init__(
+        self,
+        rid: str,
+        req: s.CompletionRequest,
+        decoder: SupportsDecode,
+        echoes: list[str] | None = None,  # `echo`: each choice's prompt text
+    ) -> None:
+        super().__init__(rid, req, decoder)
+        self._echoes = echoes
+
     def opening(self) -> list[object]:
-        return []
+        return [
+            self._chunk(s.CompletionChoice(index=i, text=text))
+            for i, text in enumerate(self._echoes or ())
+            if text
+        ]
 
     def _chunk(self, choice: s.CompletionChoice, usage: s.Usage | None = None) -> s.CompletionResponse:
         return s.CompletionResponse(
@@ -128,7 +142,10 @@ class CompletionStream(_Base):
     def whole(self, dones: list[DoneEvent]) -> object:
         choices = [
             s.CompletionChoice(
-                index=i, text=d.text, finish_reason=self._finish_reason(d), logprobs=self._logprobs(d)
+                index=i,
+                text=(self._echoes[i] if self._echoes else "") + d.text,
+                finish_reason=self._finish_reason(d),
+                logprobs=self._logprobs(d),
             )
             for i, d in enumerate(dones)
         ]

@@ -1,6 +1,7 @@
-"""Logit processing (logit_bias, repetition / frequency / presence penalties, min_tokens): the device
-state against a per-token loop on fresh random logits, and the engine's choices against the logprobs it
-reports; every field through the `openai` client, bad values refused with 400 naming the field."""
+"""The request fields real clients send. Logit processing (logit_bias, repetition / frequency / presence
+penalties, min_tokens): the device state against a per-token loop on fresh random logits, and the
+engine's choices against the logprobs it reports; `echo`; every field through the `openai` client, bad
+values refused with 400 naming the field."""
 
 from __future__ import annotations
 
@@ -193,3 +194,21 @@ def test_bad_values_are_refused_naming_the_field(server: ServedModel, extra: dic
             model="tiny", prompt="Hello", max_tokens=4, temperature=0, extra_body=extra
         )
     assert field in str(err.value)
+
+
+def test_echo_through_the_openai_client(server: ServedModel) -> None:
+    client = _client(server)
+    plain = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0)
+    echoed = client.completions.create(
+        model="tiny", prompt="Hello there", max_tokens=4, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == "Hello there" + plain.choices[0].text
+    ids = server.encode("Token ids")
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith(server.tok.decode(ids))
+    streamed = client.completions.create(
+        model="tiny", prompt="Hello there", max_tokens=4, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, echo=True, logprobs=1)
