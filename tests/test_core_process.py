@@ -130,12 +130,14 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _open_streams(srv: Server, n: int) -> tuple[list[list[str]], list[threading.Thread], threading.Barrier]:
+def _open_streams(
+    srv: Server, n: int, max_tokens: int = 2000
+) -> tuple[list[list[str]], list[threading.Thread], threading.Barrier]:
     """n long streaming completions in threads; each thread's SSE data lines; the barrier is passed
     once every stream has its first token."""
     lines: list[list[str]] = [[] for _ in range(n)]
     started = threading.Barrier(n + 1, timeout=120)
-    body = {"model": "tiny", "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
 
     def run(i: int) -> None:
         first = True
@@ -196,3 +198,43 @@ def test_the_front_dying_makes_the_core_cancel_free_and_exit(tiny_model_dir: Pat
         assert gone is not None and gone["cancelled"] == 3
         stopped = srv.wait_for(lambda e: e.get("actor") == "core" and e.get("event") == "stopped", 5)
         assert stopped is not None and not any(stopped["pools_used"].values()), stopped
+
+
+def test_sigterm_to_both_processes_drains(tiny_model_dir: Path) -> None:
+    """A service manager signals every process of the service: the core ignores it, the front drains
+    through the socket, every stream finishes and the server exits 0."""
+    with server(tiny_model_dir) as srv:
+        lines, threads, started = _open_streams(srv, 3, max_tokens=40)
+        started.wait()
+        os.kill(srv.core_pid, signal.SIGTERM)
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=120)
+        assert srv.proc.wait(timeout=60) == 0
+        for stream in lines:
+            assert stream[-1] == "[DONE]" and '"finish_reason":"length"' in stream[-2], stream[-2:]
+
+
+def test_a_big_batch_crosses_as_several_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trio
+    import trio.testing
+
+    from dsv4serve.actors import core_process
+    from dsv4serve.protocol import FrontToCore, SamplingParams, Tokenized
+
+    monkeypatch.setattr(core_process, "SPLIT_FRAME_BYTES", 4096)
+    batch = [
+        Tokenized(rid=f"r{i}", prompt_token_ids=tuple(range(500)), params=SamplingParams()) for i in range(9)
+    ]
+
+    async def main() -> None:
+        left, right = trio.testing.memory_stream_pair()
+        sender, receiver = Frames(left, FrontToCore), Frames(right, FrontToCore)
+        await sender.send(batch)
+        await left.aclose()
+        frames = []
+        while (got := await receiver.receive()) is not None:
+            frames.append(got)
+        assert len(frames) > 1 and [m for f in frames for m in f] == batch
+
+    trio.run(main)

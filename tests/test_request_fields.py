@@ -124,6 +124,19 @@ def test_min_tokens_holds_back_eos_and_stop_ids(tiny_model_dir: Path) -> None:
     assert later.finish_reason == "stop"
 
 
+def test_min_tokens_holds_back_stop_strings(tiny_model_dir: Path) -> None:
+    """As vLLM: no stop string is looked for in the text of the first min_tokens tokens."""
+    with Engine(tiny_model_dir, max_total_tokens=4096) as engine:
+        forced = SamplingParams(temperature=0, max_tokens=8, logit_bias={77: 100.0})
+        [probe] = engine.generate(["Hi"], forced)
+        stop = probe.text[: len(probe.text) // 8]  # one token's text
+        [now] = engine.generate(["Hi"], SamplingParams(**{**_fields(forced), "stop": (stop,)}))
+        held = SamplingParams(**{**_fields(forced), "stop": (stop,), "min_tokens": 3})
+        [later] = engine.generate(["Hi"], held)
+    assert stop and now.finish_reason == "stop" and len(now.token_ids) == 1 and now.text == ""
+    assert later.finish_reason == "stop" and len(later.token_ids) == 4 and later.text == stop * 3
+
+
 def _fields(spec: SamplingParams) -> dict[str, object]:
     return {name: getattr(spec, name) for name in SamplingParams.__struct_fields__}
 

@@ -13,7 +13,7 @@ Faults: when the engine-core process dies its socket end closes; the front then 
 with an error event, refuses new ones, and stops with `EngineHandle.failure` set (the servers exit
 non-zero). When the front's end closes (the front died or stopped), the core cancels every request it
 holds, frees their memory, drains and exits. Signals go to the front (the core runs in its own session
-and ignores SIGINT): SIGTERM's drain crosses as the tokenizer's Drain.
+and ignores SIGINT, SIGTERM and SIGHUP): SIGTERM's drain crosses as the tokenizer's Drain.
 
     python -m dsv4serve.actors.core_process FD OPTIONS_JSON   (started by `run_front`, not by hand)
 """
@@ -70,6 +70,7 @@ from dsv4serve.protocol import (
 
 _HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 30
+SPLIT_FRAME_BYTES = 64 << 20  # a batch bigger than this goes as several frames
 STATUS_EVERY_S = 0.5  # an idle core's status frames (the front's tokens_per_s decays, pools show frees)
 EXIT_WAIT_S = 10.0  # how long the front waits for the core to exit after closing its socket
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
@@ -103,7 +104,15 @@ class Frames:
         self._buffer = bytearray()
 
     async def send(self, messages: list[Any]) -> None:
+        """One frame, or (a batch over SPLIT_FRAME_BYTES) several, each message whole and in order."""
         payload = self._encoder.encode(messages)
+        if len(payload) > SPLIT_FRAME_BYTES and len(messages) > 1:
+            half = len(messages) // 2
+            await self.send(messages[:half])
+            await self.send(messages[half:])
+            return
+        if len(payload) > MAX_FRAME_BYTES:
+            raise ValueError(f"a message of {len(payload)} bytes is over the frame limit")
         await self.stream.send_all(_HEADER.pack(len(payload)) + payload)
 
     async def receive(self) -> list[Any] | None:
@@ -154,7 +163,8 @@ def _nowait(outbox: trio.MemoryReceiveChannel[Any]) -> list[Any]:
 
 def main(argv: list[str]) -> int:
     fd, options = int(argv[0]), msgspec.json.decode(argv[1], type=CoreOptions)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front's signal; it drains us through the socket
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the front's (a service manager
+        signal.signal(signum, signal.SIG_IGN)  # signals the whole group): it drains us over the socket
     logs.configure(options.log_level, stream=sys.stderr)
     trio.run(_core_main, socket.socket(fileno=fd), options)
     return 0
@@ -162,6 +172,7 @@ def main(argv: list[str]) -> int:
 
 async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
     log = structlog.get_logger().bind(actor="core")
+    sock.set_inheritable(False)  # a child of ours holding it would hide our death from the front
     frames = Frames(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), FrontToCore)
     system = options.system()
     runner = await trio.to_thread.run_sync(ModelRunner, system.model_dir, system.engine)

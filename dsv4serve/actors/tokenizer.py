@@ -115,6 +115,7 @@ class _Output:
     texts: list[str] = field(default_factory=list)
     first_token_at: float | None = None
     announced: bool = False  # a token event sent (the first carries the prompt's length)
+    min_tokens: int = 0  # stop strings are not looked for in the text of the first min_tokens ids
 
 
 @dataclass(eq=False)
@@ -171,8 +172,9 @@ class _Tokenizer:
             return
         spec = msg.params
         self.outputs[msg.rid] = _Output(
-            ids, msg.echo_prompt, msg.stream, spec.logprobs, spec.top_logprobs > 0, detok, stops
-        )
+            ids, msg.echo_prompt, msg.stream, spec.logprobs, spec.top_logprobs > 0, detok, stops,
+            min_tokens=spec.min_tokens,
+        )  # fmt: skip
         await self.scheduler.send(Tokenized(rid=msg.rid, prompt_token_ids=ids, params=spec))
 
     async def tokens(self, msg: Detokenize) -> None:
@@ -292,7 +294,12 @@ def _new_text(out: _Output, ids: list[int], finish_reason: FinishReason | None) 
     """The text `ids` complete (stop strings applied; the tail flushed when the request finishes)."""
     # a "stop" that no stop string caused ends on a stop token: in the ids, not in the text
     stop_token = finish_reason == "stop" and bool(ids)
-    text, hit = out.stops.push(out.detok.push(ids[:-1] if stop_token else ids))
+    delta = out.detok.push(ids[:-1] if stop_token else ids)
+    if len(out.token_ids) + len(ids) <= out.min_tokens:  # as vLLM: no stop string within min_tokens
+        if finish_reason is not None:
+            delta += out.detok.flush()
+        return delta, False
+    text, hit = out.stops.push(delta)
     if finish_reason is not None and not hit:
         tail, hit = out.stops.push(out.detok.flush())
         text += tail if hit else tail + out.stops.flush()
