@@ -128,7 +128,9 @@ Run = tuple[float, list[tuple[float, list[float]]]]  # (wall, each stream's (sta
 def figures(n: int, args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
     """From (wall, streams) of the runs with 1 + steps, 1, 1 + steps new tokens (warm-up first)."""
     (one_wall, _), (wall, streams) = runs[1], runs[2]
-    counts = [len(t) for _, t in streams]  # HTTP: a last chunk carries the finish reason alone
+    failed = sum(1 for _, run in runs for _, t in run if not t)  # reset or refused (HTTP): none expected
+    streams = [(s, t) for s, t in streams if t]
+    counts = [len(t) for _, t in streams]  # HTTP: each chunk's usage counts its tokens
     assert all(c >= 1 + args.steps for c in counts), f"streams ended early: {sorted(counts)[:5]}"
     streams = [(s, t[: 1 + args.steps]) for s, t in streams]
     ttft = [t[0] - s for s, t in streams]
@@ -141,6 +143,8 @@ def figures(n: int, args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]
         "itl_p50_ms": round(statistics.median(itl) * 1e3, 3),
         "itl_p99_ms": round(_pct(itl, 99) * 1e3, 3),
         "output_tokens_per_s": round(n * (1 + args.steps) / wall, 1),
+        "streams_done": len(streams),
+        "streams_failed": failed,
     }
 
 
@@ -151,11 +155,14 @@ def request_bytes(prompt: list[int], max_tokens: int) -> bytes:
     """One streaming completion's HTTP/1.1 request (greedy, `ignore_eos`)."""
     body = json.dumps(
         {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        | {"ignore_eos": True}
+        | {"ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     ).encode()
     head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     return head.encode() + body
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
 async def _stream(port: int, request: bytes, times: list[float]) -> None:
@@ -168,10 +175,12 @@ async def _stream(port: int, request: bytes, times: list[float]) -> None:
                 raise RuntimeError(f"the server answered {data[:300]!r}")
             now = time.perf_counter()
             chunk = tail + data
-            times.extend([now] * chunk.count(b"data: {"))
+            counts = _COMPLETION_TOKENS.findall(chunk)  # a chunk may carry several tokens' text
+            if counts:
+                times.extend([now] * (int(counts[-1]) - len(times)))
             if b"[DONE]" in chunk:
                 return
-            tail = chunk[-16:]
+            tail = chunk[-64:]
 
 
 def client_proc(job: tuple[int, list[list[int]], int]) -> list[tuple[float, list[float]]]:
@@ -185,7 +194,11 @@ def client_proc(job: tuple[int, list[list[int]], int]) -> list[tuple[float, list
             request = request_bytes(batch[i], max_tokens)
             times: list[float] = []
             start = time.perf_counter()
-            await _stream(port, request, times)
+            try:
+                await _stream(port, request, times)
+            except (OSError, RuntimeError) as exc:  # a reset or a refusal: counted, not fatal
+                log("stream failed:", type(exc).__name__, str(exc)[:200])
+                times = []
             out[i] = (start, times)
 
         async with trio.open_nursery() as nursery:

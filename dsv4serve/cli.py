@@ -168,6 +168,18 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="KV cache dtype")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="official", help="weight storage")
     p.add_argument("--devices", type=_positive_int, default=1, help="devices the weights are split over")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_positive_float,
+        default=None,
+        help="size the KV as `serve` does: this share of --hbm-gib less the step's activation reserve",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=2048,
+        help="the step's token budget (as serve's)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -185,6 +197,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         hbm_gib=args.hbm_gib,
         weight_format=args.weight_format,
         num_devices=args.devices,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     print(json.dumps(result.to_dict()) if args.json else render(result))
     return 0
@@ -254,7 +268,7 @@ def _engine_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
                 help=f"{'do not ' if on else ''}{meta['help']}",
             )
             continue
-        kind = int if str(f.type).startswith("int") else str
+        kind = {"int": int, "float": float}.get(str(f.type).removesuffix(" | None"), str)
         p.add_argument(flag, type=kind, choices=meta["choices"], default=f.default, help=meta["help"])
     p.add_argument("--log-level", choices=LEVELS, default="warning", help="stderr log level")
 

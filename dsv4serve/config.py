@@ -17,6 +17,7 @@ DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "npu": "bfloat16"}  # by
 FP4_EXPERTS = ("float", "int8", "mxfp4")  # EngineConfig.fp4_experts
 FP8_LINEARS = ("float", "fp8")  # EngineConfig.fp8_linears
 QUANTIZE_FORMATS = ("w8a8-msmodelslim", "w8a8-compressed-tensors")  # `quantize --format`
+CPU_MAX_TOTAL_TOKENS = 65536  # the cpu's KV capacity unless max_total_tokens says otherwise
 
 
 class HasPositions(Protocol):
@@ -59,8 +60,14 @@ class EngineConfig:
     page_size: int = knob(128, "tokens per page of every paged pool, a power of two", positive=True)
     max_num_seqs: int = knob(64, "most requests running at once", positive=True)
     max_num_batched_tokens: int = knob(2048, "token budget of one step", positive=True)
-    max_total_tokens: int = knob(
-        65536, "KV capacity in raw tokens (every other pool is sized from it)", positive=True
+    max_total_tokens: int | None = knob(
+        None,
+        "KV capacity in raw tokens, every other pool sized from it (default: what gpu_memory_utilization "
+        f"leaves on a cuda or npu device, {CPU_MAX_TOTAL_TOKENS} on the cpu)",
+        positive=True,
+    )
+    gpu_memory_utilization: float = knob(
+        0.9, "share of the device's memory the engine may fill (weights, activations, graphs, KV)"
     )
     max_model_len: int | None = knob(
         None,
@@ -91,6 +98,10 @@ class EngineConfig:
             raise ConfigError(f"device: {self.device!r} is not one of {DEVICES}")
         if self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size: {self.page_size} must be a power of two")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization: expected a number in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
 
     @property
     def torch_dtype_name(self) -> str:
@@ -98,16 +109,23 @@ class EngineConfig:
             return self.dtype
         return DEFAULT_DTYPES[self.device.split(":")[0]]
 
+    @property
+    def kv_tokens(self) -> int:
+        """max_total_tokens, once sized (`executor.runner.sized_engine` sizes an engine that left it out)."""
+        assert self.max_total_tokens is not None, "the KV capacity is sized when the model loads"
+        return self.max_total_tokens
+
     def resolved_max_model_len(self, model: HasPositions) -> int:
         limit = self.max_model_len or model.max_position_embeddings
-        return min(limit, model.max_position_embeddings, self.max_total_tokens)
+        return min(limit, model.max_position_embeddings, self.kv_tokens)
 
     def with_(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)
 
 
-_TYPES: dict[str, tuple[type, str]] = {
+_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
     "int": (int, "an int"),
+    "float": ((int, float), "a number"),
     "str": (str, "a string"),
     "bool": (bool, "a bool"),
 }
@@ -117,7 +135,7 @@ def _check_knob(f: Field[Any], value: Any) -> None:
     kind, what = _TYPES[str(f.type).removesuffix(" | None")]
     if value is None and str(f.type).endswith(" | None"):
         return
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ConfigError(f"{f.name}: expected {what}, got {value!r}")
     if f.metadata["positive"] and value < 1:  # type: ignore[operator]
         raise ConfigError(f"{f.name}: expected a positive int, got {value!r}")

@@ -84,6 +84,7 @@ MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20  # most likely tokens reported per generated token
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_GRAMMAR_CHARS = 1 << 20  # a structured output's JSON schema or structural tag, as text
 TOP_NEEDS_LOGPROBS = "top_logprobs: needs logprobs true (0 without it)"
 MAX_INT = 2**63 - 1  # integer fields; a top_k at or above the vocabulary size means "off"
 MIN_SEED, MAX_SEED = -(2**63), MAX_INT
@@ -160,6 +161,30 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Output constrained to a grammar (xgrammar's, compiled in the engine core): `kind` "json_schema"
+    (`spec`: a JSON schema, as JSON text) or "structural_tag" (`spec`: an xgrammar structural tag, as
+    JSON text: reasoning, then text and tool calls whose arguments follow their schemas). Its syntax
+    is checked before the request runs (`dsv4serve.chat.grammar.check`)."""
+
+    kind: Literal["json_schema", "structural_tag"]
+    spec: str
+    origin: str = "structured"  # the request's field it came from, named in its errors
+
+    def __post_init__(self) -> None:
+        ok = self.kind in ("json_schema", "structural_tag")
+        check_value("structured.kind", ok, '"json_schema" or "structural_tag"', self.kind)
+        ok = isinstance(self.spec, str) and 0 < len(self.spec) <= MAX_GRAMMAR_CHARS
+        check_value("structured.spec", ok, f"JSON text of at most {MAX_GRAMMAR_CHARS} characters", self.spec)
+        try:
+            value = json.loads(self.spec)
+        except ValueError:
+            value = None
+        check_value("structured.spec", isinstance(value, dict), "the JSON text of an object", self.spec)
+        ok = isinstance(self.origin, str) and 0 < len(self.origin) <= 64
+        check_value("structured.origin", ok, "a field name of at most 64 characters", self.origin)
+
+
 class SamplingParams(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to sample one request: the one declaration the engine reads (every message of a request
     carries it). `stop` strings end the request and are cut from the text (a single string is one stop
@@ -169,9 +194,16 @@ class SamplingParams(SamplingFields, frozen=True, kw_only=True, forbid_unknown_f
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    structured: StructuredOutput | None = None  # grammar-constrained output (no lookahead decodes)
+
+    @property
+    def processes_logits(self) -> bool:
+        return super().processes_logits or self.structured is not None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        ok = self.structured is None or isinstance(self.structured, StructuredOutput)
+        check_value("structured", ok, "a StructuredOutput or null", self.structured)
         n, top, most = self.max_tokens, self.top_logprobs, MAX_TOP_LOGPROBS
         check_value("max_tokens", is_int(n) and 1 <= n <= MAX_INT, "an int in [1, 2**63)", n)
         check_value("logprobs", isinstance(self.logprobs, bool), "a bool", self.logprobs)
@@ -734,6 +766,8 @@ class CoreReady(_Msg, frozen=True, tag="core_ready"):
 
     weight_bytes: dict[str, int]
     pid: int
+    max_model_len: int  # with the KV's capacity, sized as the core loaded
+    max_total_tokens: int
 
 
 FrontToCore: TypeAlias = Tokenized | CancelRequest | StopHit | Drain  # the tokenizer's sends

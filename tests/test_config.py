@@ -226,7 +226,8 @@ def test_engine_config_defaults() -> None:
     assert EngineConfig(device="npu").torch_dtype_name == "bfloat16"
     assert cfg.with_(page_size=64).page_size == 64
     flash = DeepseekV4Config.from_dict(official("flash"))
-    assert cfg.resolved_max_model_len(flash) == cfg.max_total_tokens
+    assert (cfg.max_total_tokens, cfg.gpu_memory_utilization) == (None, 0.9)  # sized as the model loads
+    assert cfg.with_(max_total_tokens=65536).resolved_max_model_len(flash) == 65536
 
 
 @pytest.mark.parametrize(
@@ -241,6 +242,10 @@ def test_engine_config_defaults() -> None:
         ({"max_num_seqs": -1}, "max_num_seqs"),
         ({"max_num_batched_tokens": 1.5}, "max_num_batched_tokens"),
         ({"max_total_tokens": "64k"}, "max_total_tokens"),
+        ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": True}, "gpu_memory_utilization"),
         ({"max_model_len": 0}, "max_model_len"),
         ({"state_mode": "flat"}, "state_mode"),
         ({"seed": "7"}, "seed"),

@@ -361,7 +361,7 @@ def test_random_splits_parse_to_the_written_calls(
     assert out == parse(text, thinking)
     assert out.reasoning == (reasoning if thinking else "")
     assert out.content == (content.rstrip() if calls else content)
-    expected = [(n, {**a, "city": c} if n == "get_weather" else a) for n, a, c in calls]
+    expected = [(n, {**a, "city": c.strip()} if n == "get_weather" else a) for n, a, c in calls]
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == expected
     assert not any(m in t for t in texts(deltas) for m in MARKERS)
 

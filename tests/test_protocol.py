@@ -150,7 +150,7 @@ INTERNAL: list[tuple[Any, Any]] = [
         p.CoreToFront,
     ),
     (p.Tokenized(rid="r1", prompt_token_ids=(1, 2), params=SAMPLING), p.FrontToCore),
-    (p.CoreReady(weight_bytes={"bfloat16": 10}, pid=7), p.CoreToFront),
+    (p.CoreReady(weight_bytes={"b": 10}, pid=7, max_model_len=64, max_total_tokens=128), p.CoreToFront),
     (
         p.CoreStatus(
             running=1,

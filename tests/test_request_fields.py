@@ -17,6 +17,7 @@ from http_harness import ServedModel
 
 from dsv4serve import Engine, SamplingParams
 from dsv4serve.config import EngineConfig
+from dsv4serve.executor.grammar import Grammars
 from dsv4serve.executor.processing import LogitProcessing
 from dsv4serve.protocol import LOOKAHEAD, StepItem
 
@@ -43,7 +44,9 @@ def _loop_reference(logits: list[float], prompt: list[int], output: list[int], s
 def test_processing_matches_a_per_token_loop_across_steps(seed: int) -> None:
     rng = random.Random(seed)
     eos = (1,)
-    proc = LogitProcessing(num_rows=6, eos_token_ids=eos, device=torch.device("cpu"))
+    proc = LogitProcessing(
+        num_rows=6, eos_token_ids=eos, device=torch.device("cpu"), grammars=Grammars(None, V, eos)
+    )
     specs = [
         SamplingParams(
             max_tokens=20,

@@ -6,21 +6,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4serve.config import ConfigError
+from dsv4serve.config import CPU_MAX_TOTAL_TOKENS, ConfigError, EngineConfig
+from dsv4serve.executor.runner import sized_engine
 from dsv4serve.memory.paged import npu_state_pool_size
-from dsv4serve.memory.sizing import GIB, token_unit, window_pages
+from dsv4serve.memory.sizing import (
+    GIB,
+    activation_reserve,
+    kv_tokens_for,
+    pool_bytes,
+    token_unit,
+    window_pages,
+)
 from dsv4serve.models.deepseek_v4 import SPEC
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 from dsv4serve.models.plan import DevicePlan
 from dsv4serve.models.plan import count_weights as count_schema
 from dsv4serve.models.plan import plan as device_plan
-from dsv4serve.models.registry import config_from_json_file
+from dsv4serve.models.registry import config_from_json_file, spec_for
 
 
 def swa_slots_per_request(model: DeepseekV4Config, page_size: int) -> int:
@@ -235,3 +244,66 @@ def test_plan_invariants(page_size: int, max_running: int, hbm_gib: float, num_d
     capped = kv.full_slots + unit > max_running * model.max_position_embeddings
     one_more_unit = kv.fixed_bytes + kv.kv_bytes + unit * 6880
     assert capped or one_more_unit > kv.budget_bytes  # no room was left unused
+
+
+# ---------------------------------------------------------------- the KV sized by device memory
+
+
+@settings(deadline=None, max_examples=60)
+@given(budget_gib=st.floats(0, 200), seqs=st.integers(1, 256), page=st.sampled_from([64, 128]))
+def test_kv_tokens_for_is_the_most_that_fits(budget_gib: float, seqs: int, page: int) -> None:
+    flash = load("flash")
+    engine = EngineConfig(device="cuda", page_size=page, max_num_seqs=seqs)
+    budget = int(budget_gib * GIB)
+    tokens = kv_tokens_for(flash, engine, budget)
+    unit = token_unit(flash.kv_layout, page)
+    assert tokens % unit == 0
+    if tokens:
+        assert pool_bytes(flash, engine.with_(max_total_tokens=tokens)) <= budget
+    more = tokens + unit
+    capped = more > seqs * flash.max_position_embeddings
+    assert capped or pool_bytes(flash, engine.with_(max_total_tokens=more)) > budget
+
+
+def test_sized_engine_keeps_a_given_capacity_and_sizes_the_rest() -> None:
+    glm = config_from_json_file("glm-4.7-flash")
+    engine = EngineConfig(device="cuda", max_num_seqs=32)
+    assert sized_engine(engine.with_(max_total_tokens=4096), glm, (GIB, 80 * GIB)).kv_tokens == 4096
+    assert sized_engine(engine, glm, None).kv_tokens == CPU_MAX_TOTAL_TOKENS  # the host's memory
+    total, weights = 140 * GIB, 60 * GIB
+    sized = sized_engine(engine, glm, (total - weights, total))
+    budget = int(0.9 * total) - weights - activation_reserve(glm, engine)
+    assert sized.kv_tokens == kv_tokens_for(glm, engine, budget) > 0
+    assert pool_bytes(glm, sized) <= budget
+    # plan says the same number for a device of that size holding those weights (bf16, as loaded)
+    p = device_plan(spec_for("glm4_moe_lite"), glm, max_running=32, hbm_gib=140, weight_format="bf16",
+                    gpu_memory_utilization=0.9)  # fmt: skip
+    again = sized_engine(engine, glm, (total - p.weight_bytes_per_device, total))
+    assert p.engine_max_total_tokens == again.kv_tokens
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        sized_engine(engine, glm, (total - 125 * GIB, total))  # 126 GiB allowed, 125 in use
+
+
+def test_a_runner_sizes_its_pools_from_the_device_memory(tiny_model_dir: Path) -> None:
+    """The tiny checkpoint on a backend whose transfers report a device with 3 MiB left for the KV."""
+    from dsv4serve.backends import select
+    from dsv4serve.backends.reference import PlainTransfers
+    from dsv4serve.executor.runner import ModelRunner
+    from dsv4serve.memory.allocator import KVAllocator
+    from dsv4serve.models.registry import config_from_dir
+
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=16)
+    model = config_from_dir(tiny_model_dir)
+    used = 50 << 20
+    total = math.ceil((activation_reserve(model, engine) + used + (3 << 20)) / 0.9)
+
+    class Device(PlainTransfers):
+        def memory(self, device: Any) -> tuple[int, int]:
+            return total - used, total
+
+    runner = ModelRunner(tiny_model_dir, engine, ops=dataclasses.replace(select("cpu"), transfers=Device()))
+    want = kv_tokens_for(model, engine, int(0.9 * total) - used - activation_reserve(model, engine))
+    assert 0 < runner.engine.kv_tokens == want < model.max_position_embeddings * engine.max_num_seqs
+    assert pool_bytes(model, runner.engine) <= 3 << 20
+    usage = KVAllocator(model, runner.engine, runner.sizes).usage()
+    assert usage["full"].capacity >= want  # whole pages

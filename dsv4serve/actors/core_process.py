@@ -178,7 +178,10 @@ async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
     runner = await trio.to_thread.run_sync(ModelRunner, system.model_dir, system.engine)
     device = device_parts(runner)
     allocator = device[0]
-    log.info("loaded", model_dir=options.model_dir, pool_pages=allocator.sizes.as_dict(), pid=os.getpid())
+    kv = {"max_total_tokens": runner.engine.kv_tokens, "max_model_len": allocator.max_model_len}
+    log.info(
+        "loaded", model_dir=options.model_dir, pool_pages=allocator.sizes.as_dict(), pid=os.getpid(), **kv
+    )
     tokenizer_size, scheduler_size = channel_sizes(system)
     to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMsg](scheduler_size)
     to_front, outbox = trio.open_memory_channel[TokenizerMsg](tokenizer_size)
@@ -197,7 +200,8 @@ async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
     async with trio.open_nursery() as nursery:
         scheduler = (to_scheduler.clone(), scheduler_inbox)
         start_engine_actors(nursery, runner.model_cfg, system, device, scheduler, to_front, gauges)
-        await frames.send([CoreReady(weight_bytes=runner.weight_bytes, pid=os.getpid()), status()])
+        ready = CoreReady(runner.weight_bytes, os.getpid(), allocator.max_model_len, runner.engine.kv_tokens)
+        await frames.send([ready, status()])
         nursery.start_soon(_write_to_front, outbox, frames, live, status)
         await _read_from_front(frames, to_scheduler, live, log)
     log.info("stopped", pools_used={name: u.used for name, u in allocator.usage().items()})
@@ -307,6 +311,7 @@ async def run_front(
             model=model,
             encode=lambda text: encode_prompt(tok, text, prepend_bos=bos),
             decoder=tok,
+            max_model_len=first[0].max_model_len,
             max_token_chars=max_token_chars(tok),
             weight_bytes=dict(first[0].weight_bytes),
         )

@@ -91,6 +91,7 @@ class FrontParts:
     model: ServedModelConfig
     encode: Callable[[str], list[int]]
     decoder: SupportsDecode
+    max_model_len: int  # the engine core's (its KV sized when it loaded)
     max_token_chars: int | None = None
     weight_bytes: dict[str, int] = field(default_factory=dict)
 
@@ -110,7 +111,14 @@ class Parts:
 
     @property
     def front(self) -> FrontParts:
-        return FrontParts(self.model, self.encode, self.decoder, self.max_token_chars, self.weight_bytes)
+        return FrontParts(
+            self.model,
+            self.encode,
+            self.decoder,
+            self.allocator.max_model_len,
+            self.max_token_chars,
+            self.weight_bytes,
+        )
 
 
 def load_model(options: SystemOptions) -> tuple[ModelRunner, PreTrainedTokenizerFast]:
@@ -186,8 +194,9 @@ class EngineHandle:
         clients: Clients,
         gauges: SchedulerGauges,
         nursery: trio.Nursery,
+        max_model_len: int,
     ) -> None:
-        self.model = model
+        self.model, self.max_model_len = model, max_model_len
         self.decoder = decoder  # token strings for front doors (logprobs)
         self._pool_usage = pool_usage
         self._weight_bytes = weight_bytes
@@ -291,6 +300,8 @@ async def run_system(
         model_dir=str(options.model_dir),
         pool_pages=parts.allocator.sizes.as_dict(),
         weight_bytes=parts.weight_bytes,
+        max_total_tokens=runner.engine.kv_tokens,
+        max_model_len=parts.allocator.max_model_len,
     )
     await run_actors(parts, options, task_status=task_status)
 
@@ -325,7 +336,7 @@ def start_engine_actors(
     core = SchedulerCore(
         engine.max_num_seqs,
         engine.max_num_batched_tokens,
-        engine.resolved_max_model_len(model),
+        allocator.max_model_len,
         k,
         model.eos_token_ids,
         lookahead=True,
@@ -374,7 +385,7 @@ async def run_front_actors(
         async with trio.open_nursery() as nursery:
             handle = EngineHandle(
                 parts.model, parts.decoder, pool_usage, parts.weight_bytes, options, front, clients, gauges,
-                nursery,
+                nursery, parts.max_model_len,
             )  # fmt: skip
             async with to_scheduler:  # the actors hold clones
                 nursery.start_soon(
@@ -384,7 +395,7 @@ async def run_front_actors(
                     clients,
                     parts.encode,
                     parts.decoder,
-                    options.engine.resolved_max_model_len(parts.model),
+                    parts.max_model_len,
                     parts.max_token_chars,
                     parts.model.vocab_size,
                 )

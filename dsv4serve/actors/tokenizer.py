@@ -16,6 +16,7 @@ import structlog
 import trio
 
 from dsv4serve.actors.tokenizer_core import IncrementalDetokenizer, StopMatcher, SupportsDecode
+from dsv4serve.chat.grammar import check as check_grammar
 from dsv4serve.protocol import (
     CancelRequest,
     Detokenize,
@@ -138,6 +139,12 @@ class _Tokenizer:
         except ValueError as exc:  # TokenizerError: its message names `stop`
             await self.fail(msg.rid, "invalid_request", str(exc))
             return
+        if msg.params.structured is not None:  # its grammar parses (the core compiles it later)
+            try:
+                await trio.to_thread.run_sync(check_grammar, msg.params.structured)
+            except ValueError as exc:
+                await self.fail(msg.rid, "invalid_request", str(exc))
+                return
         limit = None if self.max_token_chars is None else self.max_token_chars * self.max_model_len
         if msg.prompt is not None and limit is not None and len(msg.prompt) > limit:  # before encoding it
             why = f"prompt ({len(msg.prompt)} characters) cannot fit in max_model_len ({self.max_model_len})"

@@ -272,6 +272,11 @@ class Transfers(Protocol):
 
     def synchronize(self, device: torch.device) -> None: ...
 
+    def memory(self, device: torch.device) -> tuple[int, int] | None:
+        """(free, total) bytes of the device's own memory, the allocator's cached blocks given back
+        first; None where the device is the host's memory (the KV is then sized by a fixed default)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Backend:

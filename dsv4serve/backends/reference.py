@@ -78,6 +78,9 @@ class PlainTransfers:
     def synchronize(self, device: torch.device) -> None:
         pass
 
+    def memory(self, device: torch.device) -> tuple[int, int] | None:
+        return None
+
 
 def check_device(device: str) -> None:
     """The CPU is always there."""

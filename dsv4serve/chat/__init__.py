@@ -23,6 +23,11 @@ class OutputParser(Protocol):
 
 
 class ChatTemplate(Protocol):
+    @property
+    def grammar_format(self) -> str | None:
+        """xgrammar's name of the model's tool-call format (None: no strict tool calls)."""
+        ...
+
     def render(self, prompt: ChatPrompt) -> RenderedPrompt: ...
 
     def parser(self, rendered: RenderedPrompt) -> tuple[OutputParser, list[Delta]]:
@@ -35,6 +40,7 @@ class NoTemplate:
 
     def __init__(self, model_type: str) -> None:
         self.model_type = model_type
+        self.grammar_format: str | None = None
 
     def render(self, prompt: ChatPrompt) -> RenderedPrompt:
         raise ChatError(f"{self.model_type} has no chat template: send raw prompts to /v1/completions")

@@ -6,7 +6,8 @@ step that processes any request. A sampling item that is not a lookahead carries
 history (`StepItem.history`): the row is rebuilt from it (so a preempted, recomputed or new request
 starts right); each step then adds the token it sampled, on the device, so lookahead decodes (whose
 input the host does not know yet) see it too. min_tokens is host-known: outputs so far = the item's
-sequence length - its prompt's length (kept per row).
+sequence length - its prompt's length (kept per row). A structured output's grammar (`grammar.py`)
+then leaves only the tokens it allows.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dsv4serve.executor.grammar import Grammars, unpack
 from dsv4serve.protocol import StepItem
 
 
 @dataclass(frozen=True)
 class Prepared:
     """One step's processing: `index` (P,) the sampled rows that process, `rows` (P,) their table rows,
-    the per-row penalties (P,), and (sampled row, token) pairs that min_tokens forbids."""
+    the per-row penalties (P,), (sampled row, token) pairs that min_tokens forbids, and the grammar
+    rows: `grammar_index` (G,) positions among the P, `allowed` (G, ceil(V / 32)) their bitmasks."""
 
     index: torch.Tensor
     rows: torch.Tensor
@@ -32,11 +35,15 @@ class Prepared:
     presence: torch.Tensor
     forbid_rows: torch.Tensor
     forbid_tokens: torch.Tensor
+    grammar_index: torch.Tensor
+    allowed: torch.Tensor
 
 
 class LogitProcessing:
-    def __init__(self, num_rows: int, eos_token_ids: Sequence[int], device: torch.device) -> None:
-        self.num_rows, self.device = num_rows, device
+    def __init__(
+        self, num_rows: int, eos_token_ids: Sequence[int], device: torch.device, grammars: Grammars
+    ) -> None:
+        self.num_rows, self.device, self.grammars = num_rows, device, grammars
         self.eos = tuple(eos_token_ids)
         self.prompt_lens = np.zeros(num_rows, dtype=np.int64)
         self.counts: torch.Tensor | None = None  # (rows, V) int32, allocated on first use
@@ -66,6 +73,8 @@ class LogitProcessing:
         def put(values: Sequence[float | int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+        structured = [(k, i) for k, (_, i) in enumerate(chosen) if i.sampling.structured is not None]
+        allowed = self.grammars.fill([i for _, i in structured])  # host work, the device busy meanwhile
         specs = [i.sampling for _, i in chosen]
         return Prepared(
             index=put([j for j, _ in chosen], torch.int64),
@@ -75,6 +84,8 @@ class LogitProcessing:
             presence=put([s.presence_penalty for s in specs], torch.float32),
             forbid_rows=put([j for j, _ in forbid], torch.int64),
             forbid_tokens=put([t for _, t in forbid], torch.int64),
+            grammar_index=put([k for k, _ in structured], torch.int64),
+            allowed=allowed.to(self.device, non_blocking=True),
         )
 
     def _rebuild(self, item: StepItem) -> None:
@@ -103,6 +114,9 @@ class LogitProcessing:
         rep = prep.repetition[:, None]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         x = x - prep.frequency[:, None] * counts.float() - prep.presence[:, None] * occurred.float()
+        if prep.grammar_index.numel():
+            refused = ~unpack(prep.allowed, x.shape[1])
+            x[prep.grammar_index] = x[prep.grammar_index].masked_fill(refused, float("-inf"))
         out[prep.index] = x
         out[prep.forbid_rows, prep.forbid_tokens] = float("-inf")
         return out

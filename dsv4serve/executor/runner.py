@@ -16,7 +16,8 @@ import torch
 
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.backends import Backend, HostCopy, Transfers, select
-from dsv4serve.config import ConfigError, EngineConfig
+from dsv4serve.config import CPU_MAX_TOTAL_TOKENS, ConfigError, EngineConfig
+from dsv4serve.executor.grammar import Grammars
 from dsv4serve.executor.graphs import DecodeGraphs, GraphKey
 from dsv4serve.executor.inputs import SamplingFlags, host_words, spans
 from dsv4serve.executor.processing import LogitProcessing, Prepared
@@ -25,7 +26,7 @@ from dsv4serve.layers.linear import Weight, quantize_weights_int8, resident_byte
 from dsv4serve.memory.buffers import LayoutBuffers
 from dsv4serve.memory.layout import ServedModelConfig
 from dsv4serve.memory.paged import PoolSizes
-from dsv4serve.memory.sizing import engine_pool_sizes
+from dsv4serve.memory.sizing import GIB, activation_reserve, engine_pool_sizes, kv_budget, kv_tokens_for
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
 from dsv4serve.models.loader import load_weights, loaded_schema
 from dsv4serve.models.progress import shown
@@ -81,6 +82,30 @@ def _sampled(item: StepItem, out: list[float], k: int) -> SampledToken:
     )
 
 
+def sized_engine(
+    engine: EngineConfig, model: ServedModelConfig, memory: tuple[int, int] | None
+) -> EngineConfig:
+    """`engine` with its KV capacity decided: its own max_total_tokens, else (a device with memory of its
+    own, `memory` = (free, total) bytes with the weights loaded) what gpu_memory_utilization leaves,
+    else the cpu's default."""
+    if engine.max_total_tokens is not None:
+        return engine
+    if memory is None:
+        return engine.with_(max_total_tokens=CPU_MAX_TOTAL_TOKENS)
+    free, total = memory
+    budget = kv_budget(model, engine, free, total)
+    tokens = kv_tokens_for(model, engine, budget)
+    if tokens < engine.max_num_batched_tokens:
+        raise ConfigError(
+            f"gpu_memory_utilization: {engine.gpu_memory_utilization} of {total / GIB:.1f} GiB, less "
+            f"{(total - free) / GIB:.1f} GiB in use (weights, other processes) and "
+            f"{activation_reserve(model, engine) / GIB:.1f} GiB for activations, leaves {budget / GIB:.2f} "
+            f"GiB for the KV: {tokens} tokens, fewer than max_num_batched_tokens "
+            f"({engine.max_num_batched_tokens}); raise it, or set max_total_tokens"
+        )
+    return engine.with_(max_total_tokens=tokens)
+
+
 def request_seed(rid: str, seed: int | None, engine_seed: int) -> int:
     """The sampling seed of a request: its own, else a stable mix of the engine seed and its id."""
     if seed is not None:
@@ -111,7 +136,7 @@ class ModelRunner:
             fp8_linears=engine.fp8_linears,
             progress=shown,
         )
-        self._build(cfg, weights, engine, sizes, ops)
+        self._build(cfg, weights, engine, sizes, ops, Path(model_dir))
 
     @classmethod
     def from_weights(
@@ -124,7 +149,7 @@ class ModelRunner:
     ) -> ModelRunner:
         """A runner over weights already on the device, by schema name (benchmarks build random ones)."""
         runner = cls.__new__(cls)
-        runner._build(cfg, weights, engine, sizes, ops)
+        runner._build(cfg, weights, engine, sizes, ops, None)
         return runner
 
     def _build(
@@ -134,23 +159,26 @@ class ModelRunner:
         engine: EngineConfig,
         sizes: PoolSizes | None,
         ops: Backend | None,
+        model_dir: Path | None,  # its tokenizer serves structured output (None: none is served)
     ) -> None:
-        self.engine, self.model_cfg = engine, cfg
         self.device = torch.device(engine.device)
         self.ops: Backend = ops or select(engine.device)
-        self.sizes = sizes or engine_pool_sizes(cfg, engine)
         spec = spec_for(cfg.model_type)
-        self.cache = LayoutBuffers(cfg.kv_layout, self.sizes, engine)
-        self.tables = SlotTables(cfg, engine, self.device, self.ops.transfers.upload)
-        self.tables.point_pad_row_at(self.cache.state_sentinel)
         if engine.weight_quant == "int8":
             weights = quantize_weights_int8(weights, _int8_names(spec, cfg))
         self.weight_bytes = resident_bytes(weights)  # by format, as held on the device
+        engine = sized_engine(engine, cfg, self.ops.transfers.memory(self.device))  # the weights in place
+        self.engine, self.model_cfg = engine, cfg
+        self.sizes = sizes or engine_pool_sizes(cfg, engine)
+        self.cache = LayoutBuffers(cfg.kv_layout, self.sizes, engine)
+        self.tables = SlotTables(cfg, engine, self.device, self.ops.transfers.upload)
+        self.tables.point_pad_row_at(self.cache.state_sentinel)
         self.model = spec.build(cfg, weights, ModelContext(engine, self.ops, self.cache, self.tables))
         compressed = [p.ratio for p in cfg.kv_layout.pools if p.index == "compressed"]
         self.ratios = tuple(sorted(compressed))
         self.last_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=self.device)
-        self.processing = LogitProcessing(engine.max_num_seqs + 1, cfg.eos_token_ids, self.device)
+        grammars = Grammars(model_dir, cfg.vocab_size, cfg.eos_token_ids)
+        self.processing = LogitProcessing(engine.max_num_seqs + 1, cfg.eos_token_ids, self.device, grammars)
         self.graphs: DecodeGraphs | None = None
         self._last_key: tuple[StepPlan | None, GraphKey | None] = (None, None)
         if engine.graphs and self.ops.graphs is not None and self.ops.graphs.supports(self.device):

@@ -18,7 +18,8 @@ import trio
 
 from dsv4serve.actors.system import EngineHandle
 from dsv4serve.chat import ChatError, ChatTemplate
-from dsv4serve.chat.messages import prompt_of
+from dsv4serve.chat.grammar import json_output, strict_tools, tools_output, unforced
+from dsv4serve.chat.messages import ChatPrompt, RenderedPrompt, prompt_of
 from dsv4serve.http import schema as s
 from dsv4serve.http.asgi import (
     ClientGone,
@@ -33,7 +34,7 @@ from dsv4serve.http.asgi import (
 from dsv4serve.http.generation import Generation, http_error
 from dsv4serve.http.metrics import CONTENT_TYPE, Metrics
 from dsv4serve.http.streams import ChatStream, CompletionStream, Stream
-from dsv4serve.protocol import DoneEvent, ErrorEvent, SamplingFields, SamplingParams, Submit
+from dsv4serve.protocol import DoneEvent, ErrorEvent, SamplingFields, SamplingParams, StructuredOutput, Submit
 
 DEFAULT_CHAT_MAX_TOKENS = 1024
 MAX_BODY_BYTES = 64 << 20
@@ -144,15 +145,17 @@ class OpenAIApp:
         if req.echo and req.logprobs is not None:
             why = "echo: with logprobs (the prompt's logprobs) is not supported; echo alone is"
             raise HttpError(400, why, "invalid_request", "echo")
+        answer = req.response_format
+        grammar = None if answer is None or answer.type == "text" else json_output(answer.schema(), False)
         echoes = [self._echo_text(prompt) for prompt in prompts for _ in range(req.n)] if req.echo else None
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
                 text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
                 logprobs = req.logprobs is not None
                 top = req.logprobs or 0
-                submits.append(
-                    _submit(f"{rid}-{p * req.n + j}", text, ids, req, req.max_tokens, j, logprobs, top)
-                )
+                k = p * req.n + j
+                one = _submit(f"{rid}-{k}", text, ids, req, req.max_tokens, j, logprobs, top, grammar)
+                submits.append(one)
         stream = CompletionStream(rid, req, self.handle.decoder, echoes)
         await self._generate(scope, receive, out, submits, stream)
 
@@ -173,19 +176,42 @@ class OpenAIApp:
                 req.reasoning_effort,
                 req.chat_template_kwargs,
             )
-            rendered = self.template.render(prompt)
+            rendered, structured = self._render(req, prompt)
         except ChatError as err:
             raise HttpError(400, str(err), "invalid_request") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or self.options.default_chat_max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        top = req.top_logprobs or 0
         submits = [
-            _submit(
-                f"{rid}-{j}", rendered.text, None, req, max_tokens, j, req.logprobs, req.top_logprobs or 0
-            )
+            _submit(f"{rid}-{j}", rendered.text, None, req, max_tokens, j, req.logprobs, top, structured)
             for j in range(req.n)
         ]
         stream = ChatStream(rid, req, self.handle.decoder, self.template, rendered)
         await self._generate(scope, receive, out, submits, stream)
+
+    def _render(
+        self, req: s.ChatRequest, prompt: ChatPrompt
+    ) -> tuple[RenderedPrompt, StructuredOutput | None]:
+        """The prompt and its grammar: a JSON answer (`response_format`), or strict tool calls (the
+        grammar, not a prefill, then forces `required` / a named tool)."""
+        answer = req.response_format is not None and req.response_format.type != "text"
+        grammar_format = self.template.grammar_format
+        strict = grammar_format is not None and strict_tools(prompt)
+        if answer and strict:
+            why = "response_format: not with strict tools (each would constrain the whole answer)"
+            raise HttpError(400, why, "invalid_request", "response_format")
+        rendered = self.template.render(unforced(prompt) if strict else prompt)
+        if answer and rendered.prefill:
+            why = "response_format: not with a forced tool call (tool_choice required or a named tool)"
+            raise HttpError(400, why, "invalid_request", "response_format")
+        if answer:
+            assert req.response_format is not None
+            return rendered, json_output(req.response_format.schema(), rendered.thinking)
+        if strict:
+            assert grammar_format is not None
+            parallel = req.parallel_tool_calls is not False
+            return rendered, tools_output(grammar_format, prompt, rendered.thinking, parallel)
+        return rendered, None
 
     async def _read(
         self, scope: Scope, receive: Receive, kind: type[s.CompletionRequest] | type[s.ChatRequest]
@@ -270,11 +296,13 @@ def _submit(
     j: int,
     logprobs: bool,
     top_logprobs: int,
+    structured: StructuredOutput | None,
 ) -> Submit:
     """One choice's engine request; choice j of a seeded request gets seed + j (choices differ)."""
     shared = {name: getattr(req, name) for name in SamplingFields.__struct_fields__}
     seed = None if req.seed is None else req.seed + j
     fields = {"max_tokens": max_tokens, "stop": req.stops, "logprobs": logprobs, "top_logprobs": top_logprobs}
+    fields["structured"] = structured
     try:
         params = SamplingParams(**{**shared, "seed": seed, **fields})
     except ValueError as err:

@@ -33,6 +33,26 @@ class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
+class JsonSchemaFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    description: str | None = None
+    strict: bool | None = None  # the output follows the schema either way
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # needed by (and only with) type json_schema
+
+    def __post_init__(self) -> None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: needed with type json_schema, and only with it")
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer follows (None: any JSON object); only for a JSON type."""
+        return self.json_schema.schema if self.json_schema is not None else None
+
+
 class _Sampling(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str
     n: N = 1
@@ -40,6 +60,7 @@ class _Sampling(SamplingFields, frozen=True, kw_only=True, forbid_unknown_fields
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def stops(self) -> tuple[str, ...]:

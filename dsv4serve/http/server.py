@@ -81,7 +81,7 @@ async def serve_http(
         handle: EngineHandle = await nursery.start(run_engine, options)
         app_options = AppOptions(
             model_name=http.model_name or options.model_dir.name,
-            max_model_len=options.engine.resolved_max_model_len(handle.model),
+            max_model_len=handle.max_model_len,
             max_body_bytes=http.max_body_bytes,
             api_key=http.api_key,
         )

@@ -70,8 +70,8 @@ def engine_pool_sizes(model: ServedModelConfig, engine: EngineConfig) -> PoolSiz
     the compressed share of max_total_tokens plus one partly filled page per request. State:
     npu_state_pool_size (paged) or max_num_seqs + 1 rings.
     """
-    page, seqs = engine.page_size, engine.max_num_seqs
-    full = math.ceil(engine.max_total_tokens / page)
+    page, seqs, tokens = engine.page_size, engine.max_num_seqs, engine.kv_tokens
+    full = math.ceil(tokens / page)
     chunk_pages = math.ceil(engine.max_num_batched_tokens / page) + seqs
     pages = {}
     for spec in model.kv_layout.pools:
@@ -80,12 +80,59 @@ def engine_pool_sizes(model: ServedModelConfig, engine: EngineConfig) -> PoolSiz
         elif spec.index == "raw":
             pages[spec.name] = full
         elif spec.index == "compressed":
-            pages[spec.name] = math.ceil(engine.max_total_tokens / spec.ratio / page) + seqs
+            pages[spec.name] = math.ceil(tokens / spec.ratio / page) + seqs
         elif engine.state_mode == "ring":
             pages[spec.name] = math.ceil((seqs + 1) * ring_size(spec.ratio) / page)
         else:
             pages[spec.name] = npu_state_pool_size(spec.ratio, page, seqs) // page
     return PoolSizes(**pages)
+
+
+# ------------------------------------------------------------------------------ sized by device memory
+
+# What `kv_budget` keeps back from the device for one step besides the weights and the KV: activations
+# of a full step (bytes per hidden unit of each token of its budget), the sampled rows' vocabulary-wide
+# tensors (fp32 logits, their processed copy, softmax, the processing rows' state) and the captured
+# graphs' pools and library workspaces. Checked against measured peaks (benchmarks/RESULTS.md).
+ACTIVATION_BYTES_PER_HIDDEN = 64
+ROW_BYTES_PER_LOGIT = 32
+GRAPHS_AND_WORKSPACES = 1 << 30
+
+
+def activation_reserve(model: ServedModelConfig, engine: EngineConfig) -> int:
+    """Device bytes kept for a step's activations, the sampled rows and the graphs (see above)."""
+    tokens = engine.max_num_batched_tokens * model.hidden_size * ACTIVATION_BYTES_PER_HIDDEN
+    rows = (engine.max_num_seqs + 1) * model.vocab_size * ROW_BYTES_PER_LOGIT
+    return tokens + rows + GRAPHS_AND_WORKSPACES
+
+
+def kv_budget(model: ServedModelConfig, engine: EngineConfig, free: int, total: int) -> int:
+    """The KV's bytes on a device of `total` bytes with `free` left now (the weights loaded):
+    gpu_memory_utilization of it, less what is in use (weights, runtime, other processes) and the
+    activation reserve."""
+    return int(engine.gpu_memory_utilization * total) - (total - free) - activation_reserve(model, engine)
+
+
+def pool_bytes(model: ServedModelConfig, engine: EngineConfig) -> int:
+    """Device bytes of the engine's pools (`engine_pool_sizes`, sentinel pages included)."""
+    sizes, kv = engine_pool_sizes(model, engine), DTYPE_BYTES[engine.torch_dtype_name]
+    return sum(
+        (sizes.pages(p.name) + 1) * engine.page_size * p.bytes_per_slot(kv) for p in model.kv_layout.pools
+    )
+
+
+def kv_tokens_for(model: ServedModelConfig, engine: EngineConfig, budget_bytes: int) -> int:
+    """The most raw tokens (a whole number of `token_unit`s, at most max_num_seqs requests of
+    max_position_embeddings) whose pools fit in `budget_bytes`; 0 if not even one unit does."""
+    unit = token_unit(model.kv_layout, engine.page_size)
+    lo, hi = 0, engine.max_num_seqs * model.max_position_embeddings // unit
+    while lo < hi:  # pool bytes grow with the tokens: the largest count of units that fits
+        mid = (lo + hi + 1) // 2
+        if pool_bytes(model, engine.with_(max_total_tokens=mid * unit)) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * unit
 
 
 # ------------------------------------------------------------------------------ the device plan

@@ -13,9 +13,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4serve.config import ConfigError
+from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.memory.layout import PoolSpec, ServedModelConfig
-from dsv4serve.memory.sizing import DTYPE_BYTES, GIB, KVPlan, grows, plan_kv, window_pages
+from dsv4serve.memory.sizing import (
+    DTYPE_BYTES,
+    GIB,
+    KVPlan,
+    grows,
+    kv_budget,
+    kv_tokens_for,
+    plan_kv,
+    window_pages,
+)
 from dsv4serve.models.spec import ModelSpec, Schema, TensorSpec
 
 WEIGHT_FORMATS = ("official", "bf16")
@@ -41,6 +50,9 @@ class DevicePlan:
     weight_bytes: int
     weight_bytes_per_device: int
     weight_bytes_by_group: tuple[tuple[str, int], ...]
+    # with gpu_memory_utilization: the engine's own sizing (its pools' slack counted) on such a device
+    gpu_memory_utilization: float | None = None
+    engine_max_total_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         per_slot, per_request, slots = (
@@ -68,6 +80,7 @@ class DevicePlan:
 _SCALARS = (
     "model_type", "dtype", "dtype_bytes", "page_size", "max_running", "hbm_gib", "weight_format",
     "num_devices", "num_layers", "weight_params", "weight_bytes", "weight_bytes_per_device",
+    "gpu_memory_utilization", "engine_max_total_tokens",
 )  # fmt: skip
 _BY_POOL = ("bytes_per_slot", "slots_per_request")
 
@@ -86,25 +99,39 @@ def plan(
     hbm_gib: float = 64.0,
     weight_format: str = "official",
     num_devices: int = 1,
+    gpu_memory_utilization: float | None = None,
+    max_num_batched_tokens: int = 2048,
 ) -> DevicePlan:
     """Size every pool of one device from an HBM budget that holds this device's share of the weights,
     the per-request pools of `max_running` requests and, in what is left, the pools that grow with
-    tokens."""
+    tokens. With `gpu_memory_utilization`, the budget is the engine's (that share of the HBM less the
+    activation reserve of a `max_num_batched_tokens` step) and `engine_max_total_tokens` is the KV
+    capacity the engine sizes itself on such a device holding these weights."""
     _check_inputs(dtype, page_size, max_running, hbm_gib, weight_format, num_devices)
     params, wbytes, groups = count_weights(spec.schema(model), weight_format)
     w_device = -(-wbytes // num_devices)  # ceil, in integers
+    budget, engine_tokens = int(hbm_gib * GIB), None
+    if gpu_memory_utilization is not None:
+        engine = EngineConfig(
+            device="cuda", dtype=dtype, page_size=page_size, max_num_seqs=max_running,
+            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+        )  # fmt: skip
+        total = int(hbm_gib * GIB)
+        budget = kv_budget(model, engine, free=total, total=total)  # + the weights, as plan_kv counts them
+        engine_tokens = kv_tokens_for(model, engine, budget - w_device)
     kv = plan_kv(
         model.kv_layout,
         kv_bytes=DTYPE_BYTES[dtype],
         page_size=page_size,
         max_running=max_running,
-        budget_bytes=int(hbm_gib * GIB),
+        budget_bytes=budget,
         weight_bytes=w_device,
         max_position=model.max_position_embeddings,
     )
     return DevicePlan(
         model.model_type, dtype, DTYPE_BYTES[dtype], page_size, max_running, hbm_gib, weight_format,
         num_devices, model.num_layers, model.kv_layout.pools, kv, params, wbytes, w_device, groups,
+        gpu_memory_utilization, engine_tokens,
     )  # fmt: skip
 
 
@@ -212,6 +239,13 @@ def _gib(label: str, value: int) -> str:
 
 
 def _verdict(p: DevicePlan) -> str:
+    if p.engine_max_total_tokens is not None:
+        if not p.engine_max_total_tokens:
+            return f"does NOT fit: no KV left at --gpu-memory-utilization {p.gpu_memory_utilization:g}"
+        return (
+            f"max_total_tokens = {p.engine_max_total_tokens:,} (what `serve` sizes at "
+            f"--gpu-memory-utilization {p.gpu_memory_utilization:g}: these pools and the engine's slack)"
+        )
     if p.kv.fits:
         return f"max_total_tokens = {p.kv.full_slots:,} (the {p.pools[0].name} pool)"
     need = p.kv.fixed_bytes / GIB

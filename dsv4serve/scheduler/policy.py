@@ -269,13 +269,16 @@ class SchedulerCore:
     # ------------------------------------------------------------------ helpers
 
     def _lookahead_ready(self) -> list[Request]:
-        """RUNNING requests whose in-flight item samples and that go on after its token, by arrival."""
+        """RUNNING requests whose in-flight item samples and that go on after its token, by arrival
+        (never one with structured output: its grammar's mask needs that token on the host)."""
         ready = []
         for req in self._running.values():
             if req.inflight_step is None or req.lookahead_step is not None or req.pending_end is not None:
                 continue
             base = self._inflight[req.inflight_step].items.get(req.rid)
             if base is None or not base.item.sample or req.short_of_memory:
+                continue
+            if req.sampling.structured is not None:  # its grammar needs the token on the host first
                 continue
             after = req.num_tokens + 1  # with the token the in-flight step samples
             if after - req.prompt_len < req.max_tokens and after < self.max_model_len:

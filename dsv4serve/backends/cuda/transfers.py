@@ -198,6 +198,13 @@ class CudaTransfers:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def memory(self, device: torch.device) -> tuple[int, int] | None:
+        if device.type != "cuda":
+            return None
+        torch.cuda.empty_cache()  # weights replaced at load (quantized, stacked) leave cached blocks
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+
 
 def check_device(device: str) -> None:
     """Raise ConfigError naming `device` unless this machine has it (before any weight is loaded)."""

@@ -12,6 +12,8 @@ from functools import partial
 from importlib import import_module
 from types import ModuleType
 
+import torch
+
 from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
 from dsv4serve.backends.npu.experts import npu_routed_experts
@@ -58,4 +60,19 @@ def backend(npu: ModuleType | None = None) -> Backend:
         linear=partial(npu_linear, npu=npu),
         routed_experts=partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
         gating_top_k=partial(npu_gating_top_k, npu=npu, fallback=reference.gating_top_k),
+        transfers=NpuTransfers(npu),
     )
+
+
+class NpuTransfers(ref.PlainTransfers):
+    """Plain copies; the device's memory read through torch_npu's `npu` module (torch.cuda's twin)."""
+
+    def __init__(self, npu: ModuleType) -> None:
+        self.npu = npu
+
+    def memory(self, device: torch.device) -> tuple[int, int] | None:
+        if device.type != "npu":
+            return None
+        self.npu.npu.empty_cache()
+        free, total = self.npu.npu.mem_get_info(device)
+        return int(free), int(total)

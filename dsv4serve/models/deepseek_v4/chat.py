@@ -225,6 +225,8 @@ def _render_turn(turn: _Turn, keep_reasoning: bool) -> str:
 class DeepSeekV4Template:
     """The chat template of every DeepSeek-V4 checkpoint (the format is fixed; checkpoints ship none)."""
 
+    grammar_format = "deepseek_v4"  # xgrammar's structural tag of DSML tool calls (chat/grammar.py)
+
     def render(self, prompt: ChatPrompt) -> RenderedPrompt:
         return render(prompt)
 

@@ -62,6 +62,7 @@ def read_chat_template(model_dir: Path) -> str | None:
 class GlmTemplate:
     source: str | None  # the Jinja text; None: the checkpoint has no chat template
     model_dir: Path
+    grammar_format = "glm_4_7"  # xgrammar's structural tag of GLM-4.7's tool calls (chat/grammar.py)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> GlmTemplate:

@@ -6,13 +6,15 @@ content may hold tool calls
     <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>
 
 each of which becomes an OpenAI tool call whose `arguments` is the JSON object `{"KEY": VALUE, ...}`.
-A value is copied as a string when the tool's schema types that key `string` (GLM's template writes
-string values verbatim), else it is the JSON it parses as (`42`, `true`, `["a"]`) or, when it does
-not parse, a string (vLLM's GLM parser reads values the same way). A `<tool_call>` met in the
+A value is read without the whitespace around it, then copied as a string when the tool's schema
+types that key `string` (GLM's template writes string values verbatim), else it is the JSON it
+parses as (`42`, `true`, `["a"]`) or, when it does not parse, a string (vLLM's GLM parser reads
+values the same way; xgrammar's GLM tool-call grammar allows that whitespace). A `<tool_call>` met in the
 reasoning ends the reasoning.
 
 Streaming: a call starts (`ToolCallStart`, then `{`) once its name is complete (at its first
-`<arg_key>` or its `</tool_call>`); a string value streams as it is generated (JSON-escaped), any
+`<arg_key>` or its `</tool_call>`); a string value streams as it is generated (JSON-escaped; its
+whitespace held until more text follows), any
 other value comes out at its `</arg_value>` (whether it parses as JSON is known only then); `}` at
 the call's end. Once started, a call is a call: a key without a value is left out, text between the
 pairs is dropped, a call cut short by another `<tool_call>` or by the end of the output is closed
@@ -86,8 +88,9 @@ class GlmParser(TagStream):
     _state: _State = _State.CONTENT
     _name: str = ""  # the name being read, then the open call's
     _key: str = ""  # the pair's key
-    _value: str = ""  # a non-string value so far
+    _value: str = ""  # a non-string value so far; a string value's whitespace not yet sent
     _string_value: bool = False
+    _value_begun: bool = False  # a string value's first non-space character is sent
     _num_params: int = 0
     _space: str = ""  # content whitespace held until we know whether a tool call follows
     _call_space: str = ""  # the whitespace before the naming call (content again if it is not one)
@@ -135,8 +138,12 @@ class GlmParser(TagStream):
             case _State.KEY:
                 self._key += text
             case _State.VALUE if self._string_value:
-                if text:
-                    self._args(json.dumps(text, ensure_ascii=False)[1:-1])
+                text = self._value + (text if self._value_begun else text.lstrip())
+                body = text.rstrip()
+                self._value = text[len(body) :]
+                if body:
+                    self._value_begun = True
+                    self._args(json.dumps(body, ensure_ascii=False)[1:-1])
             case _State.VALUE:
                 self._value += text
             case _State.CALL | _State.PAIR:
@@ -203,13 +210,13 @@ class GlmParser(TagStream):
         quote = '"' if self._string_value else ""
         self._args(f"{', ' if self._num_params else ''}{key}: {quote}")
         self._num_params += 1
-        self._value, self._state = "", _State.VALUE
+        self._value, self._value_begun, self._state = "", False, _State.VALUE
 
     def _end_value(self) -> None:
         if self._string_value:
             self._args('"')
         else:
-            self._args(json.dumps(_json_or_text(self._value), ensure_ascii=False))
+            self._args(json.dumps(_json_or_text(self._value.strip()), ensure_ascii=False))
         self._value, self._state = "", _State.CALL
 
     def _close_call(self) -> None:

@@ -1,0 +1,83 @@
+"""The KV sized by device memory (issue 29): does the engine stay inside `gpu_memory_utilization`?
+
+An `Engine` on the GPU without `max_total_tokens` sizes its pools from the memory the weights leave
+(`executor/runner.sized_engine`); this script then runs what a step can hold at most — prefill chunks of
+`max_num_batched_tokens` and decode steps of `max_num_seqs` requests — and reports the device's peak use
+(torch's reserved peak plus what torch does not hold: the CUDA context, other processes) against
+`gpu_memory_utilization` x total. The checkpoint is bench_serving's (DeepSeek-V4 dimensions, random
+bf16, `--layers`, `--experts`). Prints JSON.
+
+    python benchmarks/bench_kv_sizing.py [--max-num-seqs 256] [--max-num-batched-tokens 8192] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    from bench_serving import checkpoint
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--cache", default="/tmp/dsv4serve-bench")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU: checks the flow")
+    args = parser.parse_args()
+    import torch
+
+    from dsv4serve import Engine, SamplingParams, logs
+
+    logs.configure("warning")
+    args.steps = 0
+    model = checkpoint(args)
+    device = "cpu" if args.dry_run else "cuda"
+    knobs: dict[str, Any] = {"device": device, "max_num_seqs": args.max_num_seqs}
+    knobs |= {"max_num_batched_tokens": args.max_num_batched_tokens}
+    knobs |= {"gpu_memory_utilization": args.gpu_memory_utilization}
+    report: dict[str, Any] = {"bench": "kv_sizing", **knobs, "layers": args.layers, "experts": args.experts}
+    begin = time.perf_counter()
+    with Engine(model, **knobs) as engine:
+        report["load_s"] = round(time.perf_counter() - begin, 1)
+        pools = engine.pool_usage()
+        report["pool_slots"] = {name: capacity for name, (_, capacity) in pools.items()}
+        first = next(iter(pools.values()))[1]
+        n = min(args.max_num_seqs, first // (args.prompt_len + 16))
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1000, 100_000) for _ in range(args.prompt_len)] for _ in range(n)]
+        begin = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        run_s = round(time.perf_counter() - begin, 1)
+        report |= {"requests": n, "prompt_len": args.prompt_len, "run_s": run_s}
+        if device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            outside = (total - free) - torch.cuda.memory_reserved()  # context, other processes
+            peak = torch.cuda.max_memory_reserved() + outside
+            report |= {
+                "total_bytes": total,
+                "allowed_bytes": int(args.gpu_memory_utilization * total),
+                "peak_bytes": peak,
+                "peak_over_total": round(peak / total, 4),
+                "within": peak <= args.gpu_memory_utilization * total,
+            }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Structured output requests as xgrammar grammars, built at the front door.
+
+- `response_format` (`json_object`: any JSON object; `json_schema`: its schema) constrains the answer;
+  when the prompt leaves the model thinking, the reasoning is free text up to `</think>` and the
+  answer after it follows the schema.
+- Strict tool calls (a tool whose `function.strict` is true): xgrammar's structural tag of the model's
+  own tool-call format (`ChatTemplate.grammar_format`: DeepSeek-V4's DSML, GLM-4.7's XML) lets text and
+  reasoning run free and makes every call's arguments follow its tool's schema (a tool that is not
+  strict: any arguments). `required` or a named tool is then forced by the grammar, not by a
+  prefilled prompt (`unforced`).
+
+`check` parses a grammar without the tokenizer (the engine core compiles it against the vocabulary),
+so a bad schema is refused before the request runs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from dsv4serve.chat.messages import ChatError, ChatPrompt, NamedToolChoice, ToolChoice, ToolSpec
+from dsv4serve.protocol import StructuredOutput
+
+MAX_WHITESPACE = 20  # whitespace characters between a JSON document's tokens (no endless runs)
+THINK_END = "</think>"
+THINK_TAGS = ["<think>", THINK_END]
+
+
+def check(structured: StructuredOutput) -> None:
+    """ValueError (naming the field) unless xgrammar reads the grammar."""
+    import xgrammar as xgr
+
+    try:
+        if structured.kind == "json_schema":
+            xgr.Grammar.from_json_schema(structured.spec, max_whitespace_cnt=MAX_WHITESPACE)
+        else:
+            xgr.Grammar.from_structural_tag(structured.spec)
+    except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own types
+        raise ValueError(f"{structured.origin}: {type(exc).__name__}: {str(exc).strip()}") from None
+
+
+def json_output(schema: dict[str, Any] | None, thinking: bool) -> StructuredOutput:
+    """A JSON answer (None: any JSON object), after free reasoning when `thinking`."""
+    schema = {"type": "object"} if schema is None else schema
+    if not thinking:
+        return StructuredOutput(kind="json_schema", spec=json.dumps(schema), origin="response_format")
+    from xgrammar import structural_tag as st
+
+    reasoning = st.TagFormat(begin="", content=st.AnyTextFormat(excludes=THINK_TAGS), end=THINK_END)
+    answer = st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_WHITESPACE)
+    tag = st.StructuralTag(format=st.SequenceFormat(elements=[reasoning, answer]))
+    return StructuredOutput(kind="structural_tag", spec=tag.model_dump_json(), origin="response_format")
+
+
+def strict_tools(prompt: ChatPrompt) -> bool:
+    """Whether the prompt offers tools and any is strict (then the calls are grammar-constrained)."""
+    return prompt.tool_choice != "none" and any(t.function.strict for t in prompt.tools)
+
+
+def unforced(prompt: ChatPrompt) -> ChatPrompt:
+    """The prompt a strict request renders: `required` / a named tool left to the grammar."""
+    return msgspec.structs.replace(prompt, tool_choice="auto")
+
+
+def tools_output(grammar_format: str, prompt: ChatPrompt, thinking: bool, parallel: bool) -> StructuredOutput:
+    """The structural tag of the model's tool-call format for the prompt's tools and tool choice."""
+    import xgrammar as xgr
+
+    tools: list[Any] = [_tool(t) for t in prompt.tools]
+    choice = _choice(prompt.tool_choice)
+    try:
+        tag = xgr.get_model_structural_tag(
+            grammar_format,
+            tools=tools,
+            tool_choice=choice,
+            reasoning="enabled" if thinking else "disabled",
+            parallel_tool_calls=parallel,
+            max_whitespace_cnt=MAX_WHITESPACE,
+        )
+    except ValueError as exc:  # a tool's schema xgrammar cannot read
+        raise ChatError(f"tools: {exc}") from None
+    return StructuredOutput(kind="structural_tag", spec=tag.model_dump_json(), origin="tools")
+
+
+def _tool(tool: ToolSpec) -> dict[str, Any]:
+    f = tool.function
+    function = {"name": f.name, "parameters": f.parameters, "strict": bool(f.strict)}
+    return {"type": "function", "function": function}
+
+
+def _choice(choice: ToolChoice) -> Any:
+    if isinstance(choice, NamedToolChoice):
+        return {"type": "function", "function": {"name": choice.function.name}}
+    return choice
