@@ -81,3 +81,26 @@ def test_golden_engine_chunked_and_preempted_matches_transformers(
     )
     assert preemptions > 0, "the small KV capacity was meant to force preemptions"
     assert got == reference
+
+
+def test_processed_rows_in_graph_steps_equal_eager_ones(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    """Logit processing and structured output beside plain rows: decode steps replaying graphs (on
+    cuda; the rows processed after the replay) give the tokens of steps run eagerly."""
+    from dsv4serve.chat.grammar import json_output
+
+    kinds = [
+        GREEDY,
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logit_bias={7: 5.0}, repetition_penalty=1.3),
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.0, structured=json_output(None, False)),
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=3, frequency_penalty=0.5, min_tokens=4),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(8)]
+    runs = []
+    for graphs in (True, False):
+        with Engine(
+            tiny_model_dir, device=DEVICE, dtype="float32", max_total_tokens=8192, graphs=graphs
+        ) as e:
+            runs.append([c.token_ids for c in e.generate(prompts[:8], params)])
+    assert runs[0] == runs[1]

@@ -112,8 +112,8 @@ class DecodeGraphs:
 
     def key(self, items: Sequence[StepItem]) -> GraphKey | None:
         """The graph a step replays, or None when it must run eagerly."""
-        if not is_decode(items) or any(i.sampling.processes_logits for i in items):
-            return None  # logit processing (penalties, bias, min_tokens) runs eagerly
+        if not is_decode(items):
+            return None
         batch = batch_bucket(len(items), self.max_seqs)
         if batch is None:
             return None

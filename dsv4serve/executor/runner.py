@@ -216,7 +216,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Sample the rows (S, V), remember each request's token (a lookahead's input), and return
         (2 + 2k, S) float64: ids, logprobs, then k = params.num_top rows of top ids and of top logprobs.
-        `processing`: the step's logit processing (eager steps only)."""
+        `processing`: the step's logit processing (rows among the sampled ones)."""
         chosen_from = None if processing is None else self.processing.apply(logits, processing)
         tokens, logprobs = sample(logits, params, chosen_from)
         if processing is not None:
@@ -233,9 +233,11 @@ class ModelRunner:
 
     def replays(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` replays a graph already captured: an upload and a graph launch, a
-        short host call (no forward in Python, no capture)."""
+        short host call (no forward in Python, no capture, no logit processing to prepare)."""
         key = self._graph_key(plan)
-        return key is not None and self.graphs is not None and key in self.graphs.graphs
+        if key is None or self.graphs is None or key not in self.graphs.graphs:
+            return False
+        return not any(i.sampling.processes_logits for i in plan.items)
 
     def _graph_key(self, plan: StepPlan) -> GraphKey | None:
         """The graph `plan` replays (None: eager), computed once for `replays` and `launch` of a plan
@@ -263,6 +265,11 @@ class ModelRunner:
         if key is not None and self.graphs is not None:  # a decode step: every token samples
             seeds = [request_seed(i.rid, i.sampling.seed, self.engine.seed) for i in plan.items]
             out, logits = self.graphs.launch(key, plan.items, seeds)
+            processing = self.processing.prepare(plan.items, logits.shape[-1])  # while the graph runs
+            if processing is not None:  # the replay's forward, then every row sampled again, processed
+                graph = self.graphs.last
+                assert graph is not None
+                out = self._sample(graph.batch, logits, graph.params, processing)
             kept = logits[: len(plan.items)].clone() if keep_logits else None
             return PendingStep.of(plan.items, out[:, : len(plan.items)], kept, self.ops.transfers)
         sampled = tuple(i for i in plan.items if i.sample)
