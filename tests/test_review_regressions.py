@@ -82,3 +82,31 @@ async def test_stdio_engine_crash_still_writes_the_accepted_requests_errors(
         written = b""
     lines = [json.loads(line) for line in written.splitlines()]
     assert [(e["type"], e["id"], e["code"]) for e in lines] == [("error", "r", "internal")], lines
+
+
+async def test_failing_live_requests_waits_for_room_in_a_full_shared_channel(autojump_clock: object) -> None:
+    """stdio's requests share one event channel: when the engine stopped while it was full (a slow
+    stdout), the live requests' errors were dropped and those requests never ended."""
+    from dsv4serve.actors.system import fail_live
+    from dsv4serve.actors.tokenizer import Client, Clients
+    from dsv4serve.protocol import Event
+
+    send, recv = trio.open_memory_channel[Event](2)
+    clients = Clients()
+    for rid in ("a", "b", "c"):
+        clients.add(rid, Client(send, arrival=0.0))
+    send.send_nowait(ErrorEvent(id="x", code="internal", message="filler"))
+    send.send_nowait(ErrorEvent(id="y", code="internal", message="filler"))
+    got: list[Event] = []
+
+    async def slow_reader() -> None:
+        await trio.sleep(1.0)
+        async for event in recv:
+            got.append(event)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slow_reader)
+        await fail_live(clients, "stopped")
+        send.close()
+    assert [e.id for e in got] == ["x", "y", "a", "b", "c"]
+    assert clients.live() == [] and clients.ended_by_reason == {"error": 3}

@@ -376,7 +376,7 @@ async def _read_from_core(
     code = process.returncode
     message = f"the engine-core process died (exit code {code}) before the request finished"
     structlog.get_logger().bind(actor="system").error("engine_core_died", exit_code=code)
-    handle.core_died(message)
+    await handle.core_died(message)
 
 
 def _apply(

@@ -60,6 +60,7 @@ from dsv4serve.protocol import (
 from dsv4serve.scheduler import SchedulerCore
 
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+FULL_WAIT_S = 5.0  # how long a live request's last error waits for room in a full event channel
 
 
 @dataclass(frozen=True)
@@ -271,11 +272,11 @@ class EngineHandle:
                 await self._front.send(Drain())
         await self.stopped.wait()
 
-    def core_died(self, message: str) -> None:
+    async def core_died(self, message: str) -> None:
         """The engine core is gone: every live request ends with `message`, new ones are refused, and
         the system stops (`failure` set; the servers then exit non-zero)."""
         self.failure, self._draining = message, True
-        fail_live(self._clients, message)
+        await fail_live(self._clients, message)
         self._nursery.cancel_scope.cancel()
 
     def raise_if_failed(self) -> None:
@@ -411,16 +412,23 @@ async def run_front_actors(
         structlog.get_logger().bind(actor="system").exception("engine_crashed")
         raise
     finally:
-        fail_live(clients, "the engine stopped before the request finished")
+        with trio.CancelScope(shield=True):
+            await fail_live(clients, "the engine stopped before the request finished")
         front.close()
         if handle is not None:
             handle.stopped.set()
 
 
-def fail_live(clients: Clients, message: str) -> None:
+async def fail_live(clients: Clients, message: str) -> None:
+    """Every live request ends with an `internal` error: at once, or (its client's channel full: a
+    slow reader, as stdio's shared one) once there is room, up to FULL_WAIT_S."""
     for rid, client in clients.live():
         clients.end(rid, "error")
+        event = ErrorEvent(id=rid, code="internal", message=message)
         try:
-            client.events.send_nowait(ErrorEvent(id=rid, code="internal", message=message))
-        except (trio.WouldBlock, *_GONE):
+            client.events.send_nowait(event)
+        except trio.WouldBlock:
+            with trio.move_on_after(FULL_WAIT_S), contextlib.suppress(*_GONE):
+                await client.events.send(event)
+        except _GONE:
             pass
