@@ -90,6 +90,19 @@ class EngineConfig:
         choices=FP8_LINEARS,
     )
     graphs: bool = knob(True, "capture decode steps as device graphs (CUDA)")
+    tensor_parallel_size: int = knob(
+        1,
+        "ranks that split each layer (heads, MLP intermediates): processes on devices N..N+TP-1",
+        positive=True,
+    )
+    data_parallel_size: int = knob(
+        1, "engine cores, each with its own requests and KV (not built yet: 1)", positive=True
+    )
+    expert_parallel_size: int = knob(
+        1,
+        "ranks that split the routed experts whole: 1 (each rank a slice of every expert) or TP x DP",
+        positive=True,
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -98,6 +111,14 @@ class EngineConfig:
             raise ConfigError(f"device: {self.device!r} is not one of {DEVICES}")
         if self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size: {self.page_size} must be a power of two")
+        ranks = self.tensor_parallel_size * self.data_parallel_size
+        if self.expert_parallel_size not in (1, ranks):
+            raise ConfigError(
+                f"expert_parallel_size: {self.expert_parallel_size} must be 1 or tensor_parallel_size x "
+                f"data_parallel_size ({ranks})"
+            )
+        if self.data_parallel_size != 1:
+            raise ConfigError("data_parallel_size: only 1 is built yet (tensor and expert parallelism are)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization: expected a number in (0, 1], got {self.gpu_memory_utilization!r}"

@@ -812,3 +812,24 @@ class TablesReady(_Msg, frozen=True, tag="tables_ready"):
 
 
 ExecutorMsg: TypeAlias = TablesReady | Drain
+
+
+# ---------------------------------------------------------------- internal: rank 0 to the other ranks
+# Tensor parallelism: rank 0's table writes and step launches, in the order it makes them, to every
+# other rank (executor/ranks.py), which replays them on its own share of the model.
+
+
+class RankWriteLocs(_Msg, frozen=True, tag="rank_write_locs"):
+    locs: tuple[CacheLocs, ...]
+
+
+class RankLaunch(_Msg, frozen=True, tag="rank_launch"):
+    plan: StepPlan
+    all_logits: bool = False
+
+
+class RankStop(_Msg, frozen=True, tag="rank_stop"):
+    pass
+
+
+RankMsg: TypeAlias = RankWriteLocs | RankLaunch | RankStop

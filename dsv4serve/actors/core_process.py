@@ -197,13 +197,17 @@ async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
             pools={name: (u.used, u.capacity) for name, u in allocator.usage().items()},
         )
 
-    async with trio.open_nursery() as nursery:
-        scheduler = (to_scheduler.clone(), scheduler_inbox)
-        start_engine_actors(nursery, runner.model_cfg, system, device, scheduler, to_front, gauges)
-        ready = CoreReady(runner.weight_bytes, os.getpid(), allocator.max_model_len, runner.engine.kv_tokens)
-        await frames.send([ready, status()])
-        nursery.start_soon(_write_to_front, outbox, frames, live, status)
-        await _read_from_front(frames, to_scheduler, live, log)
+    try:
+        async with trio.open_nursery() as nursery:
+            scheduler = (to_scheduler.clone(), scheduler_inbox)
+            start_engine_actors(nursery, runner.model_cfg, system, device, scheduler, to_front, gauges)
+            kv_tokens = runner.engine.kv_tokens
+            ready = CoreReady(runner.weight_bytes, os.getpid(), allocator.max_model_len, kv_tokens)
+            await frames.send([ready, status()])
+            nursery.start_soon(_write_to_front, outbox, frames, live, status)
+            await _read_from_front(frames, to_scheduler, live, log)
+    finally:
+        runner.close()  # the other ranks, under tensor parallelism
     log.info("stopped", pools_used={name: u.used for name, u in allocator.usage().items()})
 
 

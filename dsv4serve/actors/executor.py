@@ -6,7 +6,8 @@ it replays a captured graph; it returns without waiting for the device), and the
 the launched steps' results in order (`collect`, the GIL released meanwhile) and sends their
 `StepDone`. So while step N runs, step
 N + 1 (with its lookahead decodes) is already queued behind it. A step whose launch or collect
-raises fails every one of its items (`StepDone.failed`); the engine keeps serving the others. One
+raises fails every one of its items (`StepDone.failed`); the engine keeps serving the others, unless
+the ranks of a tensor-parallel engine fell out of step (`RanksBroken`): that stops the engine. One
 canonical log line per step.
 """
 
@@ -19,6 +20,7 @@ from typing import assert_never
 import structlog
 import trio
 
+from dsv4serve.executor.ranks import RanksBroken
 from dsv4serve.protocol import (
     Drain,
     ExecutorMsg,
@@ -71,6 +73,8 @@ async def run_step(collect: Collect, plan: StepPlan, log: structlog.typing.Filte
     ran = tuple(item.rid for item in plan.items)
     try:
         outputs = tuple(await collect())
+    except RanksBroken:  # the ranks are out of step: the engine stops (every live request errs)
+        raise
     except Exception as exc:  # contained: the step's requests fail, the engine goes on
         log.exception("step_failed", step=plan.step, rids=list(ran))
         message = f"step {plan.step} failed: {type(exc).__name__}: {exc}"

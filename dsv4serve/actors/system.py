@@ -34,8 +34,9 @@ from dsv4serve.actors.scheduler import SchedulerGauges, run_scheduler
 from dsv4serve.actors.tokenizer import Client, Clients, run_tokenizer
 from dsv4serve.actors.tokenizer_core import SupportsDecode, encode_prompt, load_tokenizer, max_token_chars
 from dsv4serve.config import EngineConfig
+from dsv4serve.executor.ranks import RanksBroken
 from dsv4serve.executor.runner import ModelRunner
-from dsv4serve.memory import KVAllocator, write_cache_locs_batch
+from dsv4serve.memory import KVAllocator
 from dsv4serve.memory.layout import ServedModelConfig
 from dsv4serve.models.registry import config_from_dir, spec_for
 from dsv4serve.protocol import (
@@ -75,7 +76,16 @@ class SystemOptions:
 
 
 class EngineCoreDied(RuntimeError):
-    """The engine-core process exited while it still held requests (`EngineHandle.failure` says how)."""
+    """The engine core stopped while it still held requests: its process exited, or its ranks fell out
+    of step (`RanksBroken`) (`EngineHandle.failure` says how)."""
+
+
+def rank_break(exc: BaseException) -> RanksBroken | None:
+    """The RanksBroken that `exc` is, alone or as the only kind in (nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        found = [rank_break(e) for e in exc.exceptions]
+        return found[0] if found and all(found) else None
+    return exc if isinstance(exc, RanksBroken) else None
 
 
 def is_core_death(exc: BaseException) -> bool:
@@ -158,7 +168,7 @@ def device_parts(runner: ModelRunner) -> tuple[KVAllocator, WriteLocsFn, LaunchF
     async def write_locs(locs: Sequence[CacheLocs]) -> None:
         # on the trio thread: index arithmetic and an asynchronous copy + store, queued on the device's
         # stream ahead of the step that reads them; it never waits for the device
-        write_cache_locs_batch(runner.tables, locs)
+        runner.write_locs(locs)  # (and to the other ranks, under tensor parallelism)
 
     async def launch(plan: StepPlan) -> Collect:
         if runner.replays(plan):  # a captured decode step: launched here, without two thread hops
@@ -295,16 +305,19 @@ async def run_system(
     or shutdown. (`core_process.run_engine` is the entry that honours `options.core_process`.)"""
     log = structlog.get_logger().bind(actor="system")
     runner, tok = await trio.to_thread.run_sync(load_model, options)
-    parts = parts_of(runner, tok)
-    log.info(
-        "loaded",
-        model_dir=str(options.model_dir),
-        pool_pages=parts.allocator.sizes.as_dict(),
-        weight_bytes=parts.weight_bytes,
-        max_total_tokens=runner.engine.kv_tokens,
-        max_model_len=parts.allocator.max_model_len,
-    )
-    await run_actors(parts, options, task_status=task_status)
+    try:
+        parts = parts_of(runner, tok)
+        log.info(
+            "loaded",
+            model_dir=str(options.model_dir),
+            pool_pages=parts.allocator.sizes.as_dict(),
+            weight_bytes=parts.weight_bytes,
+            max_total_tokens=runner.engine.kv_tokens,
+            max_model_len=parts.allocator.max_model_len,
+        )
+        await run_actors(parts, options, task_status=task_status)
+    finally:
+        runner.close()  # the other ranks, under tensor parallelism
 
 
 def channel_sizes(options: SystemOptions) -> tuple[int, int]:
@@ -408,12 +421,19 @@ async def run_front_actors(
                     handle=handle,
                 )
             task_status.started(handle)
-    except Exception:
-        structlog.get_logger().bind(actor="system").exception("engine_crashed")
-        raise
+    except Exception as exc:
+        broken = rank_break(exc)
+        if broken is None or handle is None:
+            structlog.get_logger().bind(actor="system").exception("engine_crashed")
+            raise
+        structlog.get_logger().bind(actor="system").error("ranks_broken", reason=str(broken))
+        handle.failure = f"the engine stopped: {broken}"  # raised as EngineCoreDied by its owner
     finally:
+        message = "the engine stopped before the request finished"
+        if handle is not None and handle.failure is not None:
+            message = handle.failure
         with trio.CancelScope(shield=True):
-            await fail_live(clients, "the engine stopped before the request finished")
+            await fail_live(clients, message)
         front.close()
         if handle is not None:
             handle.stopped.set()

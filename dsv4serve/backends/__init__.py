@@ -291,9 +291,17 @@ class Backend:
     mla: MlaOps
     transfers: Transfers
     graphs: Graphs | None = None  # None: the backend captures no graphs
+    collectives: str = "gloo"  # torch.distributed's backend between ranks on this device
 
 
 BACKENDS = {"cpu": "reference", "cuda": "cuda", "npu": "npu"}  # device kind -> module
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank `rank`'s device under tensor parallelism: the CPU for every rank, else the device's index
+    + rank (`cuda:1` -> rank 1 on `cuda:2`)."""
+    kind, _, index = device.partition(":")
+    return device if kind == "cpu" else f"{kind}:{int(index or 0) + rank}"
 
 
 def select(device: str) -> Backend:

@@ -15,14 +15,16 @@ from typing import Any
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch
-from dsv4serve.backends import Backend, HostCopy, Transfers, select
+from dsv4serve.backends import Backend, HostCopy, Transfers, rank_device, select
 from dsv4serve.config import CPU_MAX_TOTAL_TOKENS, ConfigError, EngineConfig
 from dsv4serve.executor.grammar import Grammars
 from dsv4serve.executor.graphs import DecodeGraphs, GraphKey
 from dsv4serve.executor.inputs import SamplingFlags, host_words, spans
 from dsv4serve.executor.processing import LogitProcessing, Prepared
+from dsv4serve.executor.ranks import Followers, agree_min, free_port, join_group
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
 from dsv4serve.layers.linear import Weight, quantize_weights_int8, resident_bytes
+from dsv4serve.layers.parallel import Shard
 from dsv4serve.memory.buffers import LayoutBuffers
 from dsv4serve.memory.layout import ServedModelConfig
 from dsv4serve.memory.paged import PoolSizes
@@ -32,7 +34,15 @@ from dsv4serve.models.loader import load_weights, loaded_schema
 from dsv4serve.models.progress import shown
 from dsv4serve.models.registry import config_from_dir, spec_for
 from dsv4serve.models.spec import ModelContext, ModelSpec
-from dsv4serve.protocol import CacheLocs, SampledToken, StepItem, StepPlan, TopLogprob
+from dsv4serve.protocol import (
+    CacheLocs,
+    RankLaunch,
+    RankWriteLocs,
+    SampledToken,
+    StepItem,
+    StepPlan,
+    TopLogprob,
+)
 
 
 @dataclass(frozen=True)
@@ -120,10 +130,22 @@ class ModelRunner:
         engine: EngineConfig,
         sizes: PoolSizes | None = None,
         ops: Backend | None = None,
+        rank: int = 0,
+        port: int | None = None,
     ) -> None:
-        """Load a checkpoint; `ops` overrides the device's backend (tests run Triton's on CPU tensors)."""
+        """Load a checkpoint; `ops` overrides the device's backend (tests run Triton's on CPU tensors).
+        With tensor_parallel_size N > 1, rank 0 (this call's default) spawns ranks 1 .. N-1 (`ranks.py`,
+        which build theirs with `rank` and the rendezvous `port`), and each holds its share."""
         cfg = config_from_dir(model_dir)
         ops = ops or select(engine.device)  # a device this machine lacks fails before any weight loads
+        followers, shard = None, Shard()
+        if engine.tensor_parallel_size > 1:
+            if rank == 0:
+                port = free_port()
+                followers = Followers.start(str(model_dir), engine, port)
+            assert port is not None, "a rank other than 0 joins rank 0's rendezvous port"
+            shard = join_group(engine, ops.collectives, rank, port)
+            engine = engine.with_(device=rank_device(engine.device, rank))
         dtype = getattr(torch, engine.torch_dtype_name)
         spec = spec_for(cfg.model_type)
         weights = load_weights(
@@ -136,7 +158,10 @@ class ModelRunner:
             fp8_linears=engine.fp8_linears,
             progress=shown,
         )
-        self._build(cfg, weights, engine, sizes, ops, Path(model_dir))
+        self._build(cfg, weights, engine, sizes, ops, Path(model_dir), shard)
+        self.followers = followers
+        if followers is not None:
+            followers.wait_ready()
 
     @classmethod
     def from_weights(
@@ -149,7 +174,8 @@ class ModelRunner:
     ) -> ModelRunner:
         """A runner over weights already on the device, by schema name (benchmarks build random ones)."""
         runner = cls.__new__(cls)
-        runner._build(cfg, weights, engine, sizes, ops, None)
+        runner._build(cfg, weights, engine, sizes, ops, None, Shard())
+        runner.followers = None
         return runner
 
     def _build(
@@ -160,6 +186,7 @@ class ModelRunner:
         sizes: PoolSizes | None,
         ops: Backend | None,
         model_dir: Path | None,  # its tokenizer serves structured output (None: none is served)
+        shard: Shard,
     ) -> None:
         self.device = torch.device(engine.device)
         self.ops: Backend = ops or select(engine.device)
@@ -168,12 +195,15 @@ class ModelRunner:
             weights = quantize_weights_int8(weights, _int8_names(spec, cfg))
         self.weight_bytes = resident_bytes(weights)  # by format, as held on the device
         engine = sized_engine(engine, cfg, self.ops.transfers.memory(self.device))  # the weights in place
+        if shard.size > 1:  # what every rank can hold
+            engine = engine.with_(max_total_tokens=agree_min(engine.kv_tokens, self.device))
         self.engine, self.model_cfg = engine, cfg
         self.sizes = sizes or engine_pool_sizes(cfg, engine)
         self.cache = LayoutBuffers(cfg.kv_layout, self.sizes, engine)
         self.tables = SlotTables(cfg, engine, self.device, self.ops.transfers.upload)
         self.tables.point_pad_row_at(self.cache.state_sentinel)
-        self.model = spec.build(cfg, weights, ModelContext(engine, self.ops, self.cache, self.tables))
+        context = ModelContext(engine, self.ops, self.cache, self.tables, shard)
+        self.model = spec.build(cfg, weights, context)
         compressed = [p.ratio for p in cfg.kv_layout.pools if p.index == "compressed"]
         self.ratios = tuple(sorted(compressed))
         self.last_tokens = torch.zeros(engine.max_num_seqs + 1, dtype=torch.int64, device=self.device)
@@ -229,7 +259,15 @@ class ModelRunner:
         return torch.cat(rows)
 
     def write_locs(self, locs: Sequence[CacheLocs]) -> None:
+        if self.followers is not None:
+            self.followers.send(RankWriteLocs(tuple(locs)))
         write_cache_locs_batch(self.tables, locs)
+
+    def close(self) -> None:
+        """Stop the other ranks (tensor parallelism), if any."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
 
     def replays(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` replays a graph already captured: an upload and a graph launch, a
@@ -252,9 +290,21 @@ class ModelRunner:
     def execute(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> StepResult:
         return self.launch(plan, all_logits, keep_logits).wait()
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> PendingStep:
-        """Queue the step on the device and return at once; `wait()` on the result gives its tokens.
+        """Queue the step on the device (and on the other ranks, which run it on their shares) and return
+        at once; `wait()` on the result gives its tokens. Under tensor parallelism a step that fails
+        leaves the ranks out of step: RanksBroken."""
+        if self.followers is None:
+            return self._launch(plan, all_logits, keep_logits)
+        self.followers.send(RankLaunch(plan=plan, all_logits=all_logits), plan.step)
+        try:
+            return self._launch(plan, all_logits, keep_logits)
+        except Exception as exc:
+            raise self.followers.failed(plan.step, exc) from exc
+
+    @torch.inference_mode()
+    def _launch(self, plan: StepPlan, all_logits: bool, keep_logits: bool) -> PendingStep:
+        """Queue the step on this rank's device and return at once; `wait()` on the result gives its tokens.
 
         A decode step replays its captured graph; others run eagerly. Lookahead items take their
         input from the previous step's sampled tokens on the device, so a step can be launched

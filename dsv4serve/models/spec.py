@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from dsv4serve.chat import ChatTemplate
     from dsv4serve.config import EngineConfig
     from dsv4serve.layers.linear import Weights
+    from dsv4serve.layers.parallel import Shard
     from dsv4serve.memory.buffers import LayoutBuffers
     from dsv4serve.memory.tables import SlotTables
 
@@ -92,6 +93,13 @@ class ModelContext:
     ops: Backend
     cache: LayoutBuffers
     tables: SlotTables
+    shard: Shard = field(default_factory=lambda: _one_rank())  # this rank's share (tensor parallel)
+
+
+def _one_rank() -> Shard:
+    from dsv4serve.layers.parallel import Shard
+
+    return Shard()
 
 
 C = TypeVar("C", bound=ServedModelConfig)

@@ -42,4 +42,5 @@ def backend() -> Backend:
         ),
         transfers=CudaTransfers(),
         graphs=CudaGraphs(),
+        collectives="nccl",
     )

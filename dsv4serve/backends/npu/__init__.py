@@ -61,6 +61,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
         routed_experts=partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
         gating_top_k=partial(npu_gating_top_k, npu=npu, fallback=reference.gating_top_k),
         transfers=NpuTransfers(npu),
+        collectives="hccl",
     )
 
 

@@ -65,8 +65,9 @@ def attention_forward(
     ratio: int,
     ops: Backend,
 ) -> torch.Tensor:
-    """x: (T, hidden), already normed -> (T, hidden)."""
-    T, H, D, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    """x: (T, hidden), already normed -> (T, hidden): the sum over the weights' heads (a rank's
+    share of them under tensor parallelism; the KV, compressors and indexer are whole on every rank)."""
+    T, H, D, eps = x.shape[0], w.sinks.shape[0], cfg.head_dim, cfg.rms_norm_eps
     compress, dsv4 = ratio > 0, ops.dsv4  # layers with a compressor use the compress rope throughout
     q_lora = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)  # (T, q_lora)
     q = dsv4.q_norm_rope(ops.linear(q_lora, w.wq_b).view(T, H, D), meta, compress, eps)  # (T, H, D)
@@ -105,7 +106,8 @@ def _indexer(
 def _grouped_output(
     out: torch.Tensor, w: AttentionWeights, cfg: DeepseekV4Config, ops: Backend
 ) -> torch.Tensor:
-    T, G, R = out.shape[0], cfg.o_groups, cfg.o_lora_rank
+    T, R = out.shape[0], cfg.o_lora_rank
+    G = w.wo_a.shape[0] // R  # the weights' output groups
     if isinstance(w.wo_a, Fp8BlockWeight):  # each group's product a W8A8 linear of its own rows
         parts = out.reshape(T, G, -1)
         return ops.linear(

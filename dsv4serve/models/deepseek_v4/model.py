@@ -19,6 +19,7 @@ from dsv4serve.attention.step import StepMeta, StepTables
 from dsv4serve.layers.formats import FP8_BLOCK
 from dsv4serve.layers.linear import Fp8BlockWeight, Weight, Weights, plain
 from dsv4serve.layers.mhc import HcParams, HyperConnection
+from dsv4serve.layers.parallel import Shard, ShardError
 from dsv4serve.models.deepseek_v4.attention import (
     AttentionCache,
     AttentionWeights,
@@ -72,8 +73,16 @@ def fp8_rows_or_plain(w: Weights, name: str, rows: int) -> Weight:
     return value
 
 
-def _layer(w: Weights, cfg: DeepseekV4Config, i: int) -> LayerWeights:
+def _layer(w: Weights, cfg: DeepseekV4Config, i: int, shard: Shard) -> LayerWeights:
+    """Layer i's weights, this rank's share: its query heads with their sinks and output groups
+    (wq_b rows, wo_a rows, wo_b columns), its part of the shared expert's intermediate and its block
+    of routed experts; the one K=V head, compressors, indexer, router and mHC whole."""
     p, ratio = f"layers.{i}.", cfg.compress_ratios[i]
+    R = cfg.o_lora_rank
+    if cfg.num_heads % shard.size or cfg.o_groups % shard.size:
+        raise ShardError(
+            f"num_attention_heads {cfg.num_heads}, o_groups {cfg.o_groups}: not over {shard.size}"
+        )
     a = p + "attn."
     indexer = None
     if ratio == 4:
@@ -85,27 +94,30 @@ def _layer(w: Weights, cfg: DeepseekV4Config, i: int) -> LayerWeights:
     attn = AttentionWeights(
         wq_a=w[a + "wq_a.weight"],
         q_norm=plain(w, a + "q_norm.weight"),
-        wq_b=w[a + "wq_b.weight"],
+        wq_b=shard.rows(w[a + "wq_b.weight"], "wq_b heads", cfg.head_dim),
         wkv=w[a + "wkv.weight"],
         kv_norm=plain(w, a + "kv_norm.weight"),
-        wo_a=fp8_rows_or_plain(w, a + "wo_a.weight", cfg.o_lora_rank),
-        wo_b=w[a + "wo_b.weight"],
-        sinks=plain(w, a + "attn_sink"),
+        wo_a=shard.rows(fp8_rows_or_plain(w, a + "wo_a.weight", R), "wo_a groups", R),
+        wo_b=shard.cols(w[a + "wo_b.weight"], "wo_b groups", R),
+        sinks=shard.rows(plain(w, a + "attn_sink"), "attn_sink heads"),  # type: ignore[arg-type]
         compressor=_compressor(w, a + "compressor") if ratio else None,
         indexer=indexer,
     )
     f = p + "ffn."
     shared = None
     if cfg.n_shared_experts:
-        shared = tuple(w[f"{f}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
+        s = f + "shared_experts."
+        inter = s + "intermediate"
+        gate, up = shard.rows(w[s + "w1.weight"], inter), shard.rows(w[s + "w3.weight"], inter)
+        shared = (gate, shard.cols(w[s + "w2.weight"], inter), up)
     ffn = MoEWeights(
         gate=plain(w, f + "gate.weight"),
         bias=plain(w, f + "gate.bias") if f + "gate.bias" in w else None,
         tid2eid=plain(w, f + "gate.tid2eid") if f + "gate.tid2eid" in w else None,
-        w1=w[f + "experts.w1"],
-        w2=w[f + "experts.w2"],
-        w3=w[f + "experts.w3"],
-        shared=shared,  # type: ignore[arg-type]
+        w1=shard.experts(w[f + "experts.w1"], "n_routed_experts", "w1"),
+        w2=shard.experts(w[f + "experts.w2"], "n_routed_experts", "w2"),
+        w3=shard.experts(w[f + "experts.w3"], "n_routed_experts", "w3"),
+        shared=shared,
     )
 
     def hc(kind: str) -> HyperConnection:
@@ -126,7 +138,7 @@ class DeepseekV4:
     """Holds the weights (as plain tensors) and the cache's handles; runs forwards over the pools."""
 
     def __init__(self, cfg: DeepseekV4Config, weights: Weights, rope: RopeTables, ctx: ModelContext) -> None:
-        self.cfg, self.rope, self.ops = cfg, rope, ctx.ops
+        self.cfg, self.rope, self.ops, self.shard = cfg, rope, ctx.ops, ctx.shard
         self.embed, self.head, self.norm = (
             plain(weights, "embed.weight"),
             plain(weights, "head.weight"),
@@ -135,7 +147,7 @@ class DeepseekV4:
         self.hc_head = HyperConnection(
             plain(weights, "hc_head_fn"), plain(weights, "hc_head_base"), plain(weights, "hc_head_scale")
         )
-        self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
+        self.layers = [_layer(weights, cfg, i, ctx.shard) for i in range(cfg.num_layers)]
         self.hc = HcParams(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.tables, self.caches = _cache_handles(cfg, ctx)
 
@@ -157,7 +169,7 @@ class DeepseekV4:
     ) -> torch.Tensor:
         dsv4 = self.ops.dsv4
         x, post, comb = dsv4.hc_pre(h, w.hc_attn, w.attn_norm, self.hc)  # x: (T, hidden), normed
-        x = attention_forward(x, w.attn, cache, meta, self.cfg, w.ratio, self.ops)
+        x = self.shard.reduce(attention_forward(x, w.attn, cache, meta, self.cfg, w.ratio, self.ops))
         h = dsv4.hc_post(x, h, post, comb)
         x, post, comb = dsv4.hc_pre(h, w.hc_ffn, w.ffn_norm, self.hc)
         return dsv4.hc_post(self._moe(x, w.ffn, batch), h, post, comb)
@@ -176,7 +188,9 @@ class DeepseekV4:
         )
         if softmax:  # the op never renormalizes softmax weights; DSV4 renormalizes every score function
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
-        return self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit, w.shared)
+        weights, ids = self.shard.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
+        routed = self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit, w.shared)
+        return self.shard.reduce(routed)
 
 
 # The layout's pools and buffers (config.py's `kv_layout`) by the role the attention gives them.

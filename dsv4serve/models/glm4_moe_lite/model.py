@@ -8,6 +8,7 @@ the correction bias used for selection only, grouped top-k, renormalized weights
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ import torch
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.mla import MlaDims, MlaMeta, rope_inv_freq
 from dsv4serve.layers.linear import Weight, Weights, plain
+from dsv4serve.layers.parallel import Shard
 from dsv4serve.models.glm4_moe_lite.config import GlmConfig
 from dsv4serve.moe.experts import swiglu
 
@@ -66,47 +68,57 @@ class GlmLayer:
     mlp: MlpWeights
 
 
-def _layer(w: Weights, cfg: GlmConfig, i: int) -> GlmLayer:
+def _layer(w: Weights, cfg: GlmConfig, i: int, shard: Shard) -> GlmLayer:
+    """Layer i's weights, this rank's share: its heads (q_b / kv_b rows, o columns), its part of each
+    MLP's intermediate (gate / up rows, down columns) and its block of routed experts."""
     a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+    qk, nope_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
     kv_a = plain(w, a + "kv_a_proj_with_mqa.weight")
     if cfg.q_lora_rank is None:
         qkv_a, q_norm, q_b = kv_a, None, w[a + "q_proj.weight"]
     else:
         qkv_a = torch.cat([plain(w, a + "q_a_proj.weight"), kv_a])
         q_norm, q_b = plain(w, a + "q_a_layernorm.weight"), w[a + "q_b_proj.weight"]
+    kv_b = shard.rows(plain(w, a + "kv_b_proj.weight"), "kv_b_proj heads", nope_v)
+    assert isinstance(kv_b, torch.Tensor)
     attn = AttnWeights(
         qkv_a,
         q_norm,
-        q_b,
+        shard.rows(q_b, "q_b_proj heads", qk),
         plain(w, a + "kv_a_layernorm.weight"),
-        plain(w, a + "kv_b_proj.weight"),
-        w[a + "o_proj.weight"],
+        kv_b,
+        shard.cols(w[a + "o_proj.weight"], "o_proj heads", cfg.v_head_dim),
     )
     if cfg.dense_layers[i]:
-        mlp = MlpWeights(_swiglu_weights(w, m), None, None, None, None)
+        mlp = MlpWeights(_swiglu_weights(w, m, shard), None, None, None, None)
     else:
-        experts = (w[m + "experts.w1"], w[m + "experts.w2"], w[m + "experts.w3"])
-        shared = _swiglu_weights(w, m + "shared_experts.") if cfg.n_shared_experts else None
+        w1, w2, w3 = (shard.experts(w[m + f"experts.{n}"], "n_routed_experts", n) for n in ("w1", "w2", "w3"))
+        shared = _swiglu_weights(w, m + "shared_experts.", shard) if cfg.n_shared_experts else None
         router = plain(w, m + "gate.weight").float()  # fp32 once, not per step
-        mlp = MlpWeights(None, router, plain(w, m + "gate.e_score_correction_bias"), experts, shared)
+        bias = plain(w, m + "gate.e_score_correction_bias")
+        mlp = MlpWeights(None, router, bias, (w1, w2, w3), shared)
     p = f"layers.{i}."
     return GlmLayer(
         plain(w, p + "input_layernorm.weight"), plain(w, p + "post_attention_layernorm.weight"), attn, mlp
     )
 
 
-def _swiglu_weights(w: Weights, p: str) -> tuple[Weight, Weight, Weight]:
-    return w[p + "gate_proj.weight"], w[p + "down_proj.weight"], w[p + "up_proj.weight"]
+def _swiglu_weights(w: Weights, p: str, shard: Shard) -> tuple[Weight, Weight, Weight]:
+    """A SwiGLU MLP's (gate, down, up), this rank's part of its intermediate."""
+    gate, up = (shard.rows(w[p + n], p + "intermediate") for n in ("gate_proj.weight", "up_proj.weight"))
+    return gate, shard.cols(w[p + "down_proj.weight"], p + "intermediate"), up
 
 
 class Glm4MoeLite:
     """Holds the weights (loaded names: experts stacked) and runs forwards over the latent pool."""
 
     def __init__(self, cfg: GlmConfig, weights: Weights, ctx: ModelContext) -> None:
-        self.cfg, self.ops, self.dims = cfg, ctx.ops, mla_dims(cfg)
+        self.cfg, self.ops, self.shard = cfg, ctx.ops, ctx.shard
+        heads = ctx.shard.count(cfg.num_heads, "num_attention_heads")
+        self.dims = dataclasses.replace(mla_dims(cfg), num_heads=heads)  # this rank's heads
         self.embed, self.norm = plain(weights, "embed_tokens.weight"), plain(weights, "norm.weight")
         self.head = self.embed if cfg.tie_word_embeddings else plain(weights, "lm_head.weight")
-        self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
+        self.layers = [_layer(weights, cfg, i, ctx.shard) for i in range(cfg.num_layers)]
         self.inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, self.embed.device)
         self.table = ctx.tables.table("full")  # raw position -> latent slot
         latent = ctx.cache.flat("latent")
@@ -132,13 +144,13 @@ class Glm4MoeLite:
         q = ops.linear(lat.q if lat.q is not None else x, w.q_b)
         q = q.view(x.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim)  # (T, H, nope + rope)
         ops.mla.rope_store(q[..., d.qk_nope_head_dim :], lat, cache, meta)  # q's rope part; [c | k_pe] stored
-        out = ops.mla.attention(q, cache, w.kv_b, meta, d)  # (T, H, v)
-        return ops.linear(out.reshape(x.shape[0], -1), w.o)
+        out = ops.mla.attention(q, cache, w.kv_b, meta, d)  # (T, H, v): this rank's heads
+        return self.shard.reduce(ops.linear(out.reshape(x.shape[0], -1), w.o))
 
     def _mlp(self, x: torch.Tensor, w: MlpWeights) -> torch.Tensor:
         ops, cfg = self.ops, self.cfg
         if w.gate_up_down is not None:
-            return swiglu(x, *w.gate_up_down, limit=math.inf, matmul=ops.linear)
+            return self.shard.reduce(swiglu(x, *w.gate_up_down, limit=math.inf, matmul=ops.linear))
         assert w.router is not None and w.experts is not None
         weights, ids = ops.gating_top_k(
             torch.nn.functional.linear(x.float(), w.router),  # (T, E) fp32 logits (the router kept in fp32)
@@ -150,4 +162,7 @@ class Glm4MoeLite:
             norm_type=1,
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
-        return ops.routed_experts(x, weights.to(x.dtype), ids, *w.experts, math.inf, w.shared)
+        weights, ids = self.shard.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
+        return self.shard.reduce(
+            ops.routed_experts(x, weights.to(x.dtype), ids, *w.experts, math.inf, w.shared)
+        )

@@ -1,0 +1,128 @@
+"""This rank's share of a tensor- (and expert-) parallel group, as the model math sees it.
+
+A `Shard` cuts a weight into the rank's block (`rows`: output rows, a column-parallel projection;
+`cols`: input columns, a row-parallel one whose partial products `reduce` sums over the group) and
+the routed experts: with expert parallelism a contiguous block of whole experts (`local_routes` maps
+the router's global choices onto them), else every expert's intermediate, as a dense MLP's. One rank
+(`Shard()`) cuts nothing and reduces nothing, so the single-device math is the same code. Quantized
+weights are cut with their scales: int8 by output channel, FP8 on its 128-blocks, MXFP4 experts by
+expert or on its 32-column groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4serve.layers.formats import FP8_BLOCK
+from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
+
+
+class ShardError(ValueError):
+    """A dimension does not split over the group; the message names it and the group's size."""
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    size: int = 1
+    reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_unchanged, compare=False)
+    expert_parallel: bool = True  # routed experts: whole ones per rank, else each one's intermediate
+
+    def span(self, n: int, what: str, unit: int = 1) -> tuple[int, int]:
+        """The rank's [start, stop) of n items split evenly in blocks of `unit` (ShardError if not)."""
+        if n % (self.size * unit):
+            raise ShardError(f"{what}: {n} does not split over {self.size} ranks in blocks of {unit}")
+        part = n // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+    def count(self, n: int, what: str) -> int:
+        start, stop = self.span(n, what)
+        return stop - start
+
+    def rows(self, w: Weight, what: str, unit: int = 1) -> Weight:
+        """Output rows (dim 0) of the rank, `unit` rows kept together (a head's)."""
+        if self.size == 1:
+            return w
+        a, b = self.span(w.shape[0], what, unit)
+        if isinstance(w, torch.Tensor):
+            return w[a:b].clone()
+        if isinstance(w, Int8Weight):
+            return Int8Weight(w.qweight[a:b].clone(), w.scale[a:b].clone())
+        if isinstance(w, Fp8BlockWeight):
+            return _fp8(w, (a, b), None, what)
+        raise ShardError(f"{what}: {type(w).__name__} is split by expert only")
+
+    def cols(self, w: Weight, what: str, unit: int = 1) -> Weight:
+        """Input columns (dim -1) of the rank: a row-parallel projection (its products `reduce`d)."""
+        if self.size == 1:
+            return w
+        a, b = self.span(w.shape[-1], what, unit)
+        if isinstance(w, torch.Tensor):
+            return w[..., a:b].clone()
+        if isinstance(w, Int8Weight):  # per-output-channel scales stay whole
+            return Int8Weight(w.qweight[..., a:b].clone(), w.scale.clone())
+        if isinstance(w, Fp8BlockWeight):
+            return _fp8(w, None, (a, b), what)
+        raise ShardError(f"{what}: {type(w).__name__} is split by expert only")
+
+    def experts(self, w: Weight, what: str, part: str) -> Weight:
+        """The rank's share of a stack (E, ...) of `part` w1 / w2 / w3: experts [start, stop) of
+        `span(E)`, or (no expert parallelism) every expert's intermediate: w1 / w3 rows, w2 columns."""
+        if self.size == 1:
+            return w
+        if not self.expert_parallel:
+            return self._expert_inner(w, what, part)
+        a, b = self.span(w.shape[0], what)
+        if isinstance(w, torch.Tensor):
+            return w[a:b].clone()
+        if isinstance(w, Int8Weight):
+            return Int8Weight(w.qweight[a:b].clone(), w.scale[a:b].clone())
+        if isinstance(w, Mxfp4Weight):
+            return Mxfp4Weight(w.packed[a:b].clone(), w.scale[a:b].clone())
+        raise ShardError(f"{what}: FP8 routed experts are dequantized at load")
+
+    def _expert_inner(self, w: Weight, what: str, part: str) -> Weight:
+        dim = 2 if part == "w2" else 1  # (E, I, H) rows of w1 / w3; (E, H, I) columns of w2
+        a, b = self.span(w.shape[dim], f"{what} intermediate", 32 if isinstance(w, Mxfp4Weight) else 1)
+        if isinstance(w, torch.Tensor):
+            return w.narrow(dim, a, b - a).clone()
+        if isinstance(w, Int8Weight):
+            scale = w.scale if dim == 2 else w.scale[:, a:b]
+            return Int8Weight(w.qweight.narrow(dim, a, b - a).clone(), scale.clone())
+        if isinstance(w, Mxfp4Weight):
+            if dim == 1:
+                return Mxfp4Weight(w.packed[:, a:b].clone(), w.scale[:, a:b].clone())
+            return Mxfp4Weight(
+                w.packed[..., a // 2 : b // 2].clone(), w.scale[..., a // 32 : b // 32].clone()
+            )
+        raise ShardError(f"{what}: FP8 routed experts are dequantized at load")
+
+    def local_routes(
+        self, weights: torch.Tensor, ids: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's (T, k) choices over all experts as choices over this rank's: other ranks'
+        experts get weight 0 (on local expert 0), so the group's reduced sum is the whole MoE."""
+        if self.size == 1 or not self.expert_parallel:
+            return weights, ids
+        start, stop = self.span(num_experts, "experts")
+        mine = (ids >= start) & (ids < stop)
+        return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, ids - start, 0)
+
+
+def _fp8(
+    w: Fp8BlockWeight, rows: tuple[int, int] | None, cols: tuple[int, int] | None, what: str
+) -> Fp8BlockWeight:
+    """Rows or columns of FP8 blocks: the cut must fall on the 128-blocks the scales cover."""
+    (ra, rb), (ca, cb) = rows or (0, w.shape[0]), cols or (0, w.shape[1])
+    (br, bc), (n, k) = FP8_BLOCK, w.shape
+    if ra % br or (rb % br and rb != n) or ca % bc or (cb % bc and cb != k):
+        raise ShardError(f"{what}: rows {ra}..{rb}, columns {ca}..{cb} cut FP8's {br}x{bc} blocks")
+    scale = w.scale[ra // br : -(-rb // br), ca // bc : -(-cb // bc)]
+    return Fp8BlockWeight(w.qweight[ra:rb, ca:cb].clone(), scale.clone())

@@ -1,0 +1,183 @@
+"""Tensor and expert parallelism (issue 30) on the CPU over gloo: ranks are processes, each holding its
+share of the weights (`layers/parallel.py`), fed rank 0's table writes and launches (`executor/ranks.py`).
+
+Greedy fp32 tokens of TP=2 and TP=2 with EP=2 equal one process's on tiny DeepSeek-V4 and GLM
+checkpoints, with chunked prefill and preemptions; the same through `serve --http`; a rank killed
+mid-stream fails the open requests and stops the engine. Below: each cut of a weight against the same
+cut of its float value, and the routes to a rank's experts."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from dsv4serve import AsyncEngine, Engine, RequestError, SamplingParams
+from dsv4serve.actors.system import EngineCoreDied
+from dsv4serve.config import ConfigError, EngineConfig
+from dsv4serve.layers.formats import decode_e8m0, quantize_fp8_block, quantize_mxfp4
+from dsv4serve.layers.linear import Fp8BlockWeight, Mxfp4Weight, quantize_int8
+from dsv4serve.layers.parallel import Shard, ShardError
+from dsv4serve.models.glm4_moe_lite.tiny import make_tiny_glm
+from dsv4serve.protocol import TokenEvent
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0)
+LAYOUTS = [(2, 1), (2, 2)]  # (tensor_parallel_size, expert_parallel_size)
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_glm(tmp_path_factory.mktemp("glm-tp"), seed=3, num_hidden_layers=2)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 5000) for _ in range(n)] for n in (1, 9, 33, 70, 131, 150)]
+
+
+def _tokens(model: Path, tp: int, ep: int, **knobs: int) -> tuple[list[tuple[int, ...]], int]:
+    """Greedy tokens of `_prompts(7)`, and how many preemptions the run had."""
+    with Engine(model, tensor_parallel_size=tp, expert_parallel_size=ep, **knobs) as engine:
+        tokens = [c.token_ids for c in engine.generate(_prompts(7), GREEDY)]
+        return tokens, engine.stats().num_preemptions
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm4_moe_lite"])
+def test_ranks_give_one_process_tokens(family: str, tiny_model_dir: Path, glm_dir: Path) -> None:
+    """Chunked prefill (32-token steps) and a KV of 256 tokens for six requests of 41 to 190 tokens:
+    some are preempted and recomputed."""
+    model = tiny_model_dir if family == "deepseek_v4" else glm_dir
+    knobs = {"max_num_batched_tokens": 32, "max_total_tokens": 256, "page_size": 16}
+    one, preempted = _tokens(model, 1, 1, **knobs)
+    assert preempted > 0
+    for tp, ep in LAYOUTS:
+        assert _tokens(model, tp, ep, **knobs)[0] == one, (tp, ep)
+
+
+def test_serve_http_with_two_ranks(tiny_model_dir: Path) -> None:
+    import httpx
+
+    from tests.test_http_cli import free_port
+
+    prompt = _prompts(1)[3]
+    with Engine(tiny_model_dir, max_total_tokens=4096) as engine:
+        want = engine.generate([prompt], GREEDY)[0].text
+    port = free_port()
+    argv = [sys.executable, "-m", "dsv4serve", "serve", "--http", "--model", str(tiny_model_dir)]
+    argv += ["--port", str(port), "--max-total-tokens", "4096", "--tensor-parallel-size", "2"]
+    argv += ["--expert-parallel-size", "2"]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        body = {"model": tiny_model_dir.name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+
+
+def _rank_pids(model: Path) -> list[int]:
+    """Processes of ranks other than 0 serving `model` (their command line names it)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"dsv4serve.executor.rank_process" in cmd and any(str(model).encode() in c for c in cmd):
+                pids.append(int(entry.name))
+    return pids
+
+
+async def test_a_killed_rank_fails_the_open_requests_and_stops_the_engine(glm_dir: Path) -> None:
+    params = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+    prompts = _prompts(3)[:3]
+    errors: list[RequestError] = []
+    killed: list[int] = []
+    with pytest.raises(EngineCoreDied, match="rank 1"):
+        async with AsyncEngine(glm_dir, tensor_parallel_size=2, max_total_tokens=8192) as engine:
+            (pid,) = _rank_pids(glm_dir)
+
+            async def one(prompt: list[int]) -> None:
+                try:
+                    async for event in engine.stream(prompt, params):
+                        if isinstance(event, TokenEvent) and prompt is prompts[0] and not killed:
+                            killed.append(pid)
+                            os.kill(pid, signal.SIGKILL)
+                except RequestError as err:
+                    errors.append(err)
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for prompt in prompts:
+                        nursery.start_soon(one, prompt)
+    assert len(errors) == 3 and all("rank 1" in err.message for err in errors), errors
+
+
+def test_parallel_knobs_are_checked() -> None:
+    with pytest.raises(ConfigError, match="expert_parallel_size"):
+        EngineConfig(tensor_parallel_size=2, expert_parallel_size=3)
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        EngineConfig(data_parallel_size=2)
+    assert EngineConfig(tensor_parallel_size=4, expert_parallel_size=4).expert_parallel_size == 4
+
+
+# ---------------------------------------------------------------- a rank's share of each weight
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_cuts_of_quantized_weights_are_the_cuts_of_their_values(rank: int) -> None:
+    gen = torch.Generator().manual_seed(rank)
+    shard = Shard(rank, 2)
+    dense = torch.randn(256, 512, generator=gen)
+    int8 = quantize_int8(dense)
+    for cut in (shard.rows, shard.cols):
+        got, want = cut(int8, "w"), cut(dense, "w")
+        assert got.shape == want.shape and got.qweight.dtype == torch.int8  # type: ignore[union-attr]
+    q, s = quantize_fp8_block(dense)
+    fp8 = Fp8BlockWeight(q, decode_e8m0(s))
+    whole = fp8.dequantized(torch.float32)
+    for cut in (shard.rows, shard.cols):
+        part = cut(fp8, "w")
+        assert isinstance(part, Fp8BlockWeight)
+        assert torch.equal(part.dequantized(torch.float32), cut(whole, "w"))
+    with pytest.raises(ShardError, match="blocks"):
+        Shard(rank, 4).rows(fp8, "wq_b")  # 64 rows a rank: inside one 128-row block
+    experts = torch.randn(4, 64, 128, generator=gen)
+    packed, scales = quantize_mxfp4(experts)
+    mx = Mxfp4Weight(packed, scales)
+    decoded = mx.dequantized(torch.float32)
+    for ep in (True, False):
+        cut = Shard(rank, 2, expert_parallel=ep)
+        for part in ("w1", "w2"):
+            got = cut.experts(mx, "experts", part)
+            assert isinstance(got, Mxfp4Weight)
+            assert torch.equal(got.dequantized(torch.float32), cut.experts(decoded, "experts", part))
+
+
+def test_routes_to_a_ranks_experts_keep_its_own_and_zero_the_rest() -> None:
+    weights = torch.tensor([[0.5, 0.25], [0.75, 0.125]])
+    ids = torch.tensor([[0, 5], [7, 2]])
+    w, i = Shard(1, 2).local_routes(weights, ids, 8)  # rank 1 holds experts 4..7
+    assert w.tolist() == [[0.0, 0.25], [0.75, 0.0]] and i.tolist() == [[0, 1], [3, 0]]
+    w, i = Shard(1, 2, expert_parallel=False).local_routes(weights, ids, 8)
+    assert torch.equal(w, weights) and torch.equal(i, ids)
+    with pytest.raises(ShardError, match="heads"):
+        Shard(0, 3).rows(torch.zeros(8, 4), "heads")
