@@ -169,6 +169,12 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="official", help="weight storage")
     p.add_argument("--devices", type=_positive_int, default=1, help="devices the weights are split over")
     p.add_argument(
+        "--layout",
+        choices=("even", "tp", "dp"),
+        default="even",
+        help="even: every byte split; tp / dp: as tensor / data-parallel ranks (expert-parallel) load them",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=_positive_float,
         default=None,
@@ -197,6 +203,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         hbm_gib=args.hbm_gib,
         weight_format=args.weight_format,
         num_devices=args.devices,
+        layout=args.layout,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )

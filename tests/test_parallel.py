@@ -160,16 +160,15 @@ def test_cuts_of_quantized_weights_are_the_cuts_of_their_values(rank: int) -> No
         assert torch.equal(part.dequantized(torch.float32), cut(whole, "w"))
     with pytest.raises(ShardError, match="blocks"):
         Shard(rank, 4).rows(fp8, "wq_b")  # 64 rows a rank: inside one 128-row block
-    experts = torch.randn(4, 64, 128, generator=gen)
-    packed, scales = quantize_mxfp4(experts)
+    packed, scales = quantize_mxfp4(torch.randn(64, 128, generator=gen))  # one expert's (out, in)
     mx = Mxfp4Weight(packed, scales)
     decoded = mx.dequantized(torch.float32)
-    for ep in (True, False):
-        cut = Shard(rank, 2, expert_parallel=ep)
-        for part in ("w1", "w2"):
-            got = cut.experts(mx, "experts", part)
-            assert isinstance(got, Mxfp4Weight)
-            assert torch.equal(got.dequantized(torch.float32), cut.experts(decoded, "experts", part))
+    for cut in (shard.rows, shard.cols):
+        part = cut(mx, "w")
+        assert isinstance(part, Mxfp4Weight)
+        assert torch.equal(part.dequantized(torch.float32), cut(decoded, "w"))
+    with pytest.raises(ShardError, match="scale groups"):
+        Shard(rank, 8).cols(mx, "w2")  # 16 columns a rank: half a scale group
 
 
 def test_routes_to_a_ranks_experts_keep_its_own_and_zero_the_rest() -> None:
@@ -181,3 +180,56 @@ def test_routes_to_a_ranks_experts_keep_its_own_and_zero_the_rest() -> None:
     assert torch.equal(w, weights) and torch.equal(i, ids)
     with pytest.raises(ShardError, match="heads"):
         Shard(0, 3).rows(torch.zeros(8, 4), "heads")
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_each_rank_loads_its_share(tiny_model_dir: Path, expert_parallel: bool) -> None:
+    """The ranks' shares put back together are the whole checkpoint: split tensors along their split,
+    routed experts along the stack (expert parallelism) or their intermediate; the rest whole on each."""
+    from dsv4serve.models.loader import load_weights, loaded_schema
+    from dsv4serve.models.registry import config_from_dir, spec_for
+
+    cfg = config_from_dir(tiny_model_dir)
+    spec = spec_for(cfg.model_type)
+    whole = load_weights(tiny_model_dir, spec, cfg, dtype=torch.float32)
+    shares = [
+        load_weights(
+            tiny_model_dir, spec, cfg, dtype=torch.float32, shard=Shard(r, 2, expert_parallel=expert_parallel)
+        )
+        for r in range(2)
+    ]
+    schema = loaded_schema(spec.schema(cfg), spec.names(cfg))
+    stacked = {n for n in schema if n not in spec.schema(cfg)}
+    halves = 0
+    for name, value in whole.items():
+        parts = [s[name] for s in shares]
+        assert isinstance(value, torch.Tensor)
+        split = schema[name].split
+        if name in stacked:
+            dim = 0 if expert_parallel else (2 if name.endswith("w2") else 1)
+        else:
+            dim = {"rows": 0, "cols": -1, None: None}[split]
+        if dim is None:
+            assert all(torch.equal(p, value) for p in parts), name
+        else:
+            halves += 1
+            assert all(p.shape[dim] * 2 == value.shape[dim] for p in parts), name  # type: ignore[union-attr]
+            assert torch.equal(torch.cat(parts, dim), value), name  # type: ignore[arg-type]
+    assert halves >= 4 * cfg.num_layers
+
+
+def test_plan_counts_what_a_rank_loads(tiny_model_dir: Path) -> None:
+    """`plan --devices 2 --layout tp` holds, per device, the parameters a rank loads."""
+    from dsv4serve.models.loader import load_weights
+    from dsv4serve.models.plan import device_share
+    from dsv4serve.models.registry import config_from_dir, spec_for
+
+    cfg = config_from_dir(tiny_model_dir)
+    spec = spec_for(cfg.model_type)
+    for layout, tp in (("tp", Shard(0, 2)), ("dp", None)):
+        params, _ = device_share(spec, cfg, "bf16", layout, 2)
+        if tp is not None:
+            share = load_weights(tiny_model_dir, spec, cfg, dtype=torch.float32, shard=tp)
+            assert params == sum(w.numel() for w in share.values())  # type: ignore[union-attr]
+        whole = sum(w.numel() for w in load_weights(tiny_model_dir, spec, cfg, dtype=torch.float32).values())  # type: ignore[union-attr]
+        assert params < whole

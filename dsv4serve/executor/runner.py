@@ -157,6 +157,7 @@ class ModelRunner:
             fp4_experts=engine.fp4_experts,
             fp8_linears=engine.fp8_linears,
             progress=shown,
+            shard=shard,
         )
         self._build(cfg, weights, engine, sizes, ops, Path(model_dir), shard)
         self.followers = followers

@@ -1,12 +1,12 @@
 """This rank's share of a tensor- (and expert-) parallel group, as the model math sees it.
 
 A `Shard` cuts a weight into the rank's block (`rows`: output rows, a column-parallel projection;
-`cols`: input columns, a row-parallel one whose partial products `reduce` sums over the group) and
-the routed experts: with expert parallelism a contiguous block of whole experts (`local_routes` maps
-the router's global choices onto them), else every expert's intermediate, as a dense MLP's. One rank
-(`Shard()`) cuts nothing and reduces nothing, so the single-device math is the same code. Quantized
-weights are cut with their scales: int8 by output channel, FP8 on its 128-blocks, MXFP4 experts by
-expert or on its 32-column groups.
+`cols`: input columns, a row-parallel one whose partial products `reduce` sums over the group), as the
+loader reads it (`TensorSpec.split`). Routed experts are whole with expert parallelism, a contiguous
+block of them per rank (`span`; `local_routes` maps the router's global choices onto them), else each
+expert's intermediate is cut as a dense MLP's. One rank (`Shard()`) cuts nothing and reduces nothing,
+so the single-device math is the same code. Quantized weights are cut with their scales: int8 by output
+channel, FP8 on its 128-blocks, MXFP4 on its 32-column scale groups.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4serve.layers.formats import FP8_BLOCK
+from dsv4serve.layers.formats import FP8_BLOCK, MXFP4_BLOCK
 from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
 
 
@@ -57,7 +57,7 @@ class Shard:
             return Int8Weight(w.qweight[a:b].clone(), w.scale[a:b].clone())
         if isinstance(w, Fp8BlockWeight):
             return _fp8(w, (a, b), None, what)
-        raise ShardError(f"{what}: {type(w).__name__} is split by expert only")
+        return Mxfp4Weight(w.packed[a:b].clone(), w.scale[a:b].clone())
 
     def cols(self, w: Weight, what: str, unit: int = 1) -> Weight:
         """Input columns (dim -1) of the rank: a row-parallel projection (its products `reduce`d)."""
@@ -70,39 +70,12 @@ class Shard:
             return Int8Weight(w.qweight[..., a:b].clone(), w.scale.clone())
         if isinstance(w, Fp8BlockWeight):
             return _fp8(w, None, (a, b), what)
-        raise ShardError(f"{what}: {type(w).__name__} is split by expert only")
-
-    def experts(self, w: Weight, what: str, part: str) -> Weight:
-        """The rank's share of a stack (E, ...) of `part` w1 / w2 / w3: experts [start, stop) of
-        `span(E)`, or (no expert parallelism) every expert's intermediate: w1 / w3 rows, w2 columns."""
-        if self.size == 1:
-            return w
-        if not self.expert_parallel:
-            return self._expert_inner(w, what, part)
-        a, b = self.span(w.shape[0], what)
-        if isinstance(w, torch.Tensor):
-            return w[a:b].clone()
-        if isinstance(w, Int8Weight):
-            return Int8Weight(w.qweight[a:b].clone(), w.scale[a:b].clone())
-        if isinstance(w, Mxfp4Weight):
-            return Mxfp4Weight(w.packed[a:b].clone(), w.scale[a:b].clone())
-        raise ShardError(f"{what}: FP8 routed experts are dequantized at load")
-
-    def _expert_inner(self, w: Weight, what: str, part: str) -> Weight:
-        dim = 2 if part == "w2" else 1  # (E, I, H) rows of w1 / w3; (E, H, I) columns of w2
-        a, b = self.span(w.shape[dim], f"{what} intermediate", 32 if isinstance(w, Mxfp4Weight) else 1)
-        if isinstance(w, torch.Tensor):
-            return w.narrow(dim, a, b - a).clone()
-        if isinstance(w, Int8Weight):
-            scale = w.scale if dim == 2 else w.scale[:, a:b]
-            return Int8Weight(w.qweight.narrow(dim, a, b - a).clone(), scale.clone())
-        if isinstance(w, Mxfp4Weight):
-            if dim == 1:
-                return Mxfp4Weight(w.packed[:, a:b].clone(), w.scale[:, a:b].clone())
-            return Mxfp4Weight(
-                w.packed[..., a // 2 : b // 2].clone(), w.scale[..., a // 32 : b // 32].clone()
-            )
-        raise ShardError(f"{what}: FP8 routed experts are dequantized at load")
+        if a % MXFP4_BLOCK or b % MXFP4_BLOCK:
+            raise ShardError(f"{what}: columns {a}..{b} cut MXFP4's {MXFP4_BLOCK}-column scale groups")
+        block = MXFP4_BLOCK
+        return Mxfp4Weight(
+            w.packed[..., a // 2 : b // 2].clone(), w.scale[..., a // block : b // block].clone()
+        )
 
     def local_routes(
         self, weights: torch.Tensor, ids: torch.Tensor, num_experts: int

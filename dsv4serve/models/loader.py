@@ -36,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from dsv4serve.config import FP4_EXPERTS, FP8_LINEARS
 from dsv4serve.layers.formats import FP8_BLOCK, decode_e8m0, dequantize_mxfp4
 from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight, quantize_int8
+from dsv4serve.layers.parallel import Shard
 from dsv4serve.models.formats import (
     INT8_SUFFIXES,
     MAX_NAMES,
@@ -113,12 +114,19 @@ def load_weights(
     fp4_experts: str = "float",
     fp8_linears: str = "float",
     progress: Progress[tuple[str, Any]] = silent,
+    shard: Shard | None = None,
 ) -> dict[str, Weight]:
     """Every weight of the checkpoint by schema name (experts stacked), at its storage dtype, on
     `device`; int8 projections of a W8A8 checkpoint as `Int8Weight` (int8 + fp32 scale). `progress`
-    wraps the tensors as they load (`progress.shown`: a bar or log lines)."""
+    wraps the tensors as they load (`progress.shown`: a bar or log lines). With a `shard` of a
+    tensor-parallel group, each tensor is cut to the rank's share as it is read (`TensorSpec.split`;
+    routed experts whole with expert parallelism): no rank holds more than one whole tensor at a time."""
     expected = Expected.of(spec, cfg)
+    shard = shard or Shard()
     sizes = _stack_sizes(expected)
+    held = sizes
+    if shard.size > 1 and shard.expert_parallel:
+        held = {n: shard.count(e, f"{n}: routed experts") for n, e in sizes.items()}
     out: dict[str, Weight] = {}
     for name, value in iter_weights(
         model_dir,
@@ -130,9 +138,31 @@ def load_weights(
         progress=progress,
         expected=expected,
     ):
-        _place(out, name, value, expected.naming, sizes, device)
+        share = _share(name, value, expected, sizes, shard)
+        if share is not None:
+            _place(out, name, share[0], expected.naming, held, device, share[1])
     spec.check_weights(cfg, out)
     return out
+
+
+def _share(
+    name: str, value: Weight, expected: Expected, sizes: dict[str, int], shard: Shard
+) -> tuple[Weight, int | None] | None:
+    """The rank's share of a tensor, and a routed expert's index in the rank's stack; None when the
+    tensor is another rank's (an expert of another rank's block)."""
+    slot = expected.naming.expert(name)
+    expert = None if slot is None else slot[1]
+    if shard.size == 1:
+        return value, expert
+    if slot is not None and shard.expert_parallel:
+        start, stop = shard.span(sizes[slot[0]], f"{slot[0]}: routed experts")
+        return (value, slot[1] - start) if start <= slot[1] < stop else None
+    held = expected.schema[name]
+    if held.split == "rows":
+        return shard.rows(value, name, held.split_unit), expert
+    if held.split == "cols":
+        return shard.cols(value, name, held.split_unit), expert
+    return value, expert
 
 
 def iter_weights(
@@ -438,12 +468,15 @@ def _place(
     naming: CheckpointNames,
     sizes: dict[str, int],
     device: str,
+    expert: int | None,
 ) -> None:
+    """Put a tensor on the device; a routed expert (`expert`: its index in this rank's stack) into its
+    layer's stack."""
     slot = naming.expert(name)
-    if slot is None:
+    if slot is None or expert is None:
         out[name] = value.to(device)
         return
-    stacked, expert = slot
+    stacked = slot[0]
     if stacked not in out:
         out |= _empty_stacks(stacked, value, sizes[stacked], device, out)
     target = out[stacked]

@@ -28,6 +28,7 @@ from dsv4serve.memory.sizing import (
 from dsv4serve.models.spec import ModelSpec, Schema, TensorSpec
 
 WEIGHT_FORMATS = ("official", "bf16")
+LAYOUTS = ("even", "tp", "dp")  # how the weights spread over num_devices (see `device_share`)
 FP8_BLOCK = 128  # official FP8 linears: one ue8m0 scale byte per 128x128 block
 FP4_GROUP = 32  # official MXFP4 experts: one e8m0 scale byte per 32 weights of a row
 DISK_BYTES = {"bf16": 2, "fp32": 4, "int64": 8}
@@ -101,6 +102,7 @@ def plan(
     num_devices: int = 1,
     gpu_memory_utilization: float | None = None,
     max_num_batched_tokens: int = 2048,
+    layout: str = "even",
 ) -> DevicePlan:
     """Size every pool of one device from an HBM budget that holds this device's share of the weights,
     the per-request pools of `max_running` requests and, in what is left, the pools that grow with
@@ -108,8 +110,12 @@ def plan(
     activation reserve of a `max_num_batched_tokens` step) and `engine_max_total_tokens` is the KV
     capacity the engine sizes itself on such a device holding these weights."""
     _check_inputs(dtype, page_size, max_running, hbm_gib, weight_format, num_devices)
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout: {layout!r} is not one of {LAYOUTS}")
     params, wbytes, groups = count_weights(spec.schema(model), weight_format)
     w_device = -(-wbytes // num_devices)  # ceil, in integers
+    if layout != "even":
+        w_device = device_share(spec, model, weight_format, layout, num_devices)[1]
     budget, engine_tokens = int(hbm_gib * GIB), None
     if gpu_memory_utilization is not None:
         engine = EngineConfig(
@@ -162,6 +168,23 @@ def count_weights(
         groups[spec.group] = groups.get(spec.group, 0) + tensor_bytes(spec, weight_format)
     params = sum(math.prod(spec.shape) for spec in schema.values())
     return params, sum(groups.values()), tuple(groups.items())
+
+
+def device_share(
+    spec: ModelSpec[Any], model: ServedModelConfig, weight_format: str, layout: str, num_devices: int
+) -> tuple[int, int]:
+    """(parameters, bytes) of the weights one device holds, as the engine's ranks load them: `tp`
+    (tensor parallelism with expert parallelism) splits each tensor the schema splits and the routed
+    experts; `dp` (data parallelism with expert parallelism) splits the routed experts only; the rest
+    is whole on every device."""
+    naming = spec.names(model)
+    params = total = 0
+    for name, held in spec.schema(model).items():
+        split = naming.expert(name) is not None or (layout == "tp" and held.split is not None)
+        parts = num_devices if split else 1
+        params += math.prod(held.shape) // parts
+        total += -(-tensor_bytes(held, weight_format) // parts)
+    return params, total
 
 
 def tensor_bytes(spec: TensorSpec, weight_format: str) -> int:

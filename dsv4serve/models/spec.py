@@ -38,6 +38,9 @@ Shape = tuple[int, ...]
 # How the official checkpoint stores a tensor: bf16, fp32, int64, FP8 e4m3 with a ue8m0 scale per
 # 128x128 block, or MXFP4 (e2m1 pairs, an e8m0 scale per 32).
 DiskFormat = Literal["bf16", "fp32", "int64", "fp8", "mxfp4"]
+# How tensor parallelism splits a tensor over its ranks: output rows (column-parallel), input columns
+# (row-parallel: the partial products are summed), or not at all (every rank holds it whole).
+Split = Literal["rows", "cols"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,9 @@ class TensorSpec:
     int8: bool = False  # a projection the model math takes as W8A8 int8 (`Int8Weight`)
     linear: bool = False  # the weight of a Linear module (a compressed-tensors `Linear` target)
     group: str = "other"  # `plan`'s breakdown of the weights
+    split: Split | None = None  # its rank's share under tensor parallelism (None: whole on every rank)
+    split_unit: int = 1  # rows / columns kept together (one head's); a routed expert is split whole
+    # over the ranks with expert parallelism, else its intermediate by `split`
 
 
 Schema = dict[str, TensorSpec]  # tensor name (as the family's loader names it) -> its spec

@@ -19,7 +19,6 @@ from dsv4serve.attention.step import StepMeta, StepTables
 from dsv4serve.layers.formats import FP8_BLOCK
 from dsv4serve.layers.linear import Fp8BlockWeight, Weight, Weights, plain
 from dsv4serve.layers.mhc import HcParams, HyperConnection
-from dsv4serve.layers.parallel import Shard, ShardError
 from dsv4serve.models.deepseek_v4.attention import (
     AttentionCache,
     AttentionWeights,
@@ -73,16 +72,9 @@ def fp8_rows_or_plain(w: Weights, name: str, rows: int) -> Weight:
     return value
 
 
-def _layer(w: Weights, cfg: DeepseekV4Config, i: int, shard: Shard) -> LayerWeights:
-    """Layer i's weights, this rank's share: its query heads with their sinks and output groups
-    (wq_b rows, wo_a rows, wo_b columns), its part of the shared expert's intermediate and its block
-    of routed experts; the one K=V head, compressors, indexer, router and mHC whole."""
+def _layer(w: Weights, cfg: DeepseekV4Config, i: int) -> LayerWeights:
+    """Layer i's weights, as loaded: a rank's share under tensor parallelism (schema.py's splits)."""
     p, ratio = f"layers.{i}.", cfg.compress_ratios[i]
-    R = cfg.o_lora_rank
-    if cfg.num_heads % shard.size or cfg.o_groups % shard.size:
-        raise ShardError(
-            f"num_attention_heads {cfg.num_heads}, o_groups {cfg.o_groups}: not over {shard.size}"
-        )
     a = p + "attn."
     indexer = None
     if ratio == 4:
@@ -94,30 +86,27 @@ def _layer(w: Weights, cfg: DeepseekV4Config, i: int, shard: Shard) -> LayerWeig
     attn = AttentionWeights(
         wq_a=w[a + "wq_a.weight"],
         q_norm=plain(w, a + "q_norm.weight"),
-        wq_b=shard.rows(w[a + "wq_b.weight"], "wq_b heads", cfg.head_dim),
+        wq_b=w[a + "wq_b.weight"],
         wkv=w[a + "wkv.weight"],
         kv_norm=plain(w, a + "kv_norm.weight"),
-        wo_a=shard.rows(fp8_rows_or_plain(w, a + "wo_a.weight", R), "wo_a groups", R),
-        wo_b=shard.cols(w[a + "wo_b.weight"], "wo_b groups", R),
-        sinks=shard.rows(plain(w, a + "attn_sink"), "attn_sink heads"),  # type: ignore[arg-type]
+        wo_a=fp8_rows_or_plain(w, a + "wo_a.weight", cfg.o_lora_rank),
+        wo_b=w[a + "wo_b.weight"],
+        sinks=plain(w, a + "attn_sink"),
         compressor=_compressor(w, a + "compressor") if ratio else None,
         indexer=indexer,
     )
     f = p + "ffn."
     shared = None
     if cfg.n_shared_experts:
-        s = f + "shared_experts."
-        inter = s + "intermediate"
-        gate, up = shard.rows(w[s + "w1.weight"], inter), shard.rows(w[s + "w3.weight"], inter)
-        shared = (gate, shard.cols(w[s + "w2.weight"], inter), up)
+        shared = tuple(w[f"{f}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
     ffn = MoEWeights(
         gate=plain(w, f + "gate.weight"),
         bias=plain(w, f + "gate.bias") if f + "gate.bias" in w else None,
         tid2eid=plain(w, f + "gate.tid2eid") if f + "gate.tid2eid" in w else None,
-        w1=shard.experts(w[f + "experts.w1"], "n_routed_experts", "w1"),
-        w2=shard.experts(w[f + "experts.w2"], "n_routed_experts", "w2"),
-        w3=shard.experts(w[f + "experts.w3"], "n_routed_experts", "w3"),
-        shared=shared,
+        w1=w[f + "experts.w1"],
+        w2=w[f + "experts.w2"],
+        w3=w[f + "experts.w3"],
+        shared=shared,  # type: ignore[arg-type]
     )
 
     def hc(kind: str) -> HyperConnection:
@@ -147,7 +136,7 @@ class DeepseekV4:
         self.hc_head = HyperConnection(
             plain(weights, "hc_head_fn"), plain(weights, "hc_head_base"), plain(weights, "hc_head_scale")
         )
-        self.layers = [_layer(weights, cfg, i, ctx.shard) for i in range(cfg.num_layers)]
+        self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
         self.hc = HcParams(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.tables, self.caches = _cache_handles(cfg, ctx)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dsv4serve.memory.paged import coff
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
-from dsv4serve.models.spec import DiskFormat, Schema, Shape, TensorSpec
+from dsv4serve.models.spec import DiskFormat, Schema, Shape, Split, TensorSpec
 
 # msModelSlim's DeepSeek-V4 W8A8 recipe keeps wo_a / wo_b (and compressors, indexer scoring, router) in
 # floating point; of the projections the model takes as int8 only wo_b is excluded.
@@ -28,8 +28,15 @@ def _norm(width: int, group: str = "norms") -> TensorSpec:
     return TensorSpec((width,), "bf16", fp32=True, group=group)
 
 
-def _linear(shape: Shape, group: str, disk: DiskFormat = "bf16", int8: bool = False) -> TensorSpec:
-    return TensorSpec(shape, disk, int8=int8, linear=True, group=group)
+def _linear(
+    shape: Shape,
+    group: str,
+    disk: DiskFormat = "bf16",
+    int8: bool = False,
+    split: Split | None = None,
+    unit: int = 1,
+) -> TensorSpec:
+    return TensorSpec(shape, disk, int8=int8, linear=True, group=group, split=split, split_unit=unit)
 
 
 def tensors(cfg: DeepseekV4Config) -> Schema:
@@ -59,18 +66,21 @@ def tensors(cfg: DeepseekV4Config) -> Schema:
 
 
 def _attention(cfg: DeepseekV4Config, layer: int, p: str) -> Schema:
+    """Tensor parallelism splits the query heads, their sinks and output groups (wq_b, wo_a rows,
+    wo_b columns); the one K=V head, the compressors and the indexer are whole on every rank."""
     h, d, heads, q = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.q_lora_rank
+    groups, rank = cfg.o_groups, cfg.o_lora_rank
     out = {
         p + "wq_a.weight": _linear((q, h), "attention", "fp8", int8=True),
         p + "q_norm.weight": _norm(q),
-        p + "wq_b.weight": _linear((heads * d, q), "attention", "fp8", int8=True),
+        p + "wq_b.weight": _linear((heads * d, q), "attention", "fp8", True, "rows", d),
         p + "wkv.weight": _linear((d, h), "attention", "fp8", int8=True),
         p + "kv_norm.weight": _norm(d),
         p + "wo_a.weight": _linear(
-            (cfg.o_groups * cfg.o_lora_rank, heads * d // cfg.o_groups), "attention", "fp8"
+            (groups * rank, heads * d // groups), "attention", "fp8", False, "rows", rank
         ),
-        p + "wo_b.weight": _linear((h, cfg.o_groups * cfg.o_lora_rank), "attention", "fp8", int8=True),
-        p + "attn_sink": _fp32((heads,), "attention"),
+        p + "wo_b.weight": _linear((h, groups * rank), "attention", "fp8", True, "cols", rank),
+        p + "attn_sink": TensorSpec((heads,), "fp32", fp32=True, group="attention", split="rows"),
     }
     ratio = cfg.compress_ratios[layer]
     if ratio:
@@ -107,11 +117,16 @@ def _ffn(cfg: DeepseekV4Config, layer: int, p: str) -> Schema:
     disk: DiskFormat = "mxfp4" if cfg.expert_dtype in (None, "fp4") else "fp8"
     for e in range(experts):
         q = f"{p}experts.{e}."
-        for part, shape in (("w1", (inter, h)), ("w2", (h, inter)), ("w3", (inter, h))):
-            out[q + part + ".weight"] = _linear(shape, "routed_experts", disk, int8=True)
+        for part, shape, split in _swiglu_parts(inter, h):
+            out[q + part + ".weight"] = _linear(shape, "routed_experts", disk, True, split)
     shared = cfg.n_shared_experts * inter
     if shared:
         q = p + "shared_experts."
-        for part, shape in (("w1", (shared, h)), ("w2", (h, shared)), ("w3", (shared, h))):
-            out[q + part + ".weight"] = _linear(shape, "shared_experts", "fp8", int8=True)
+        for part, shape, split in _swiglu_parts(shared, h):
+            out[q + part + ".weight"] = _linear(shape, "shared_experts", "fp8", True, split)
     return out
+
+
+def _swiglu_parts(inner: int, h: int) -> tuple[tuple[str, Shape, Split], ...]:
+    """An expert's three projections; tensor parallelism splits the intermediate."""
+    return (("w1", (inner, h), "rows"), ("w2", (h, inner), "cols"), ("w3", (inner, h), "rows"))

@@ -18,7 +18,6 @@ import torch
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.mla import MlaDims, MlaMeta, rope_inv_freq
 from dsv4serve.layers.linear import Weight, Weights, plain
-from dsv4serve.layers.parallel import Shard
 from dsv4serve.models.glm4_moe_lite.config import GlmConfig
 from dsv4serve.moe.experts import swiglu
 
@@ -68,32 +67,28 @@ class GlmLayer:
     mlp: MlpWeights
 
 
-def _layer(w: Weights, cfg: GlmConfig, i: int, shard: Shard) -> GlmLayer:
-    """Layer i's weights, this rank's share: its heads (q_b / kv_b rows, o columns), its part of each
-    MLP's intermediate (gate / up rows, down columns) and its block of routed experts."""
+def _layer(w: Weights, cfg: GlmConfig, i: int) -> GlmLayer:
+    """Layer i's weights, as loaded: a rank's share under tensor parallelism (schema.py's splits)."""
     a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-    qk, nope_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
     kv_a = plain(w, a + "kv_a_proj_with_mqa.weight")
     if cfg.q_lora_rank is None:
         qkv_a, q_norm, q_b = kv_a, None, w[a + "q_proj.weight"]
     else:
         qkv_a = torch.cat([plain(w, a + "q_a_proj.weight"), kv_a])
         q_norm, q_b = plain(w, a + "q_a_layernorm.weight"), w[a + "q_b_proj.weight"]
-    kv_b = shard.rows(plain(w, a + "kv_b_proj.weight"), "kv_b_proj heads", nope_v)
-    assert isinstance(kv_b, torch.Tensor)
     attn = AttnWeights(
         qkv_a,
         q_norm,
-        shard.rows(q_b, "q_b_proj heads", qk),
+        q_b,
         plain(w, a + "kv_a_layernorm.weight"),
-        kv_b,
-        shard.cols(w[a + "o_proj.weight"], "o_proj heads", cfg.v_head_dim),
+        plain(w, a + "kv_b_proj.weight"),
+        w[a + "o_proj.weight"],
     )
     if cfg.dense_layers[i]:
-        mlp = MlpWeights(_swiglu_weights(w, m, shard), None, None, None, None)
+        mlp = MlpWeights(_swiglu_weights(w, m), None, None, None, None)
     else:
-        w1, w2, w3 = (shard.experts(w[m + f"experts.{n}"], "n_routed_experts", n) for n in ("w1", "w2", "w3"))
-        shared = _swiglu_weights(w, m + "shared_experts.", shard) if cfg.n_shared_experts else None
+        w1, w2, w3 = (w[m + f"experts.{n}"] for n in ("w1", "w2", "w3"))
+        shared = _swiglu_weights(w, m + "shared_experts.") if cfg.n_shared_experts else None
         router = plain(w, m + "gate.weight").float()  # fp32 once, not per step
         bias = plain(w, m + "gate.e_score_correction_bias")
         mlp = MlpWeights(None, router, bias, (w1, w2, w3), shared)
@@ -103,10 +98,8 @@ def _layer(w: Weights, cfg: GlmConfig, i: int, shard: Shard) -> GlmLayer:
     )
 
 
-def _swiglu_weights(w: Weights, p: str, shard: Shard) -> tuple[Weight, Weight, Weight]:
-    """A SwiGLU MLP's (gate, down, up), this rank's part of its intermediate."""
-    gate, up = (shard.rows(w[p + n], p + "intermediate") for n in ("gate_proj.weight", "up_proj.weight"))
-    return gate, shard.cols(w[p + "down_proj.weight"], p + "intermediate"), up
+def _swiglu_weights(w: Weights, p: str) -> tuple[Weight, Weight, Weight]:
+    return w[p + "gate_proj.weight"], w[p + "down_proj.weight"], w[p + "up_proj.weight"]
 
 
 class Glm4MoeLite:
@@ -118,7 +111,7 @@ class Glm4MoeLite:
         self.dims = dataclasses.replace(mla_dims(cfg), num_heads=heads)  # this rank's heads
         self.embed, self.norm = plain(weights, "embed_tokens.weight"), plain(weights, "norm.weight")
         self.head = self.embed if cfg.tie_word_embeddings else plain(weights, "lm_head.weight")
-        self.layers = [_layer(weights, cfg, i, ctx.shard) for i in range(cfg.num_layers)]
+        self.layers = [_layer(weights, cfg, i) for i in range(cfg.num_layers)]
         self.inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, self.embed.device)
         self.table = ctx.tables.table("full")  # raw position -> latent slot
         latent = ctx.cache.flat("latent")

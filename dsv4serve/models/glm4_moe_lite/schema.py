@@ -10,7 +10,7 @@ block (`layers.{num_layers}.*`) is not part of it: the loader skips it.
 from __future__ import annotations
 
 from dsv4serve.models.glm4_moe_lite.config import GlmConfig
-from dsv4serve.models.spec import Schema, TensorSpec
+from dsv4serve.models.spec import Schema, Split, TensorSpec
 
 
 def tensors(cfg: GlmConfig) -> Schema:
@@ -33,26 +33,26 @@ def tensors(cfg: GlmConfig) -> Schema:
     return out
 
 
-def _linear(shape: tuple[int, int], group: str) -> TensorSpec:
-    return TensorSpec(shape, linear=True, group=group)
+def _linear(shape: tuple[int, int], group: str, split: Split | None = None, unit: int = 1) -> TensorSpec:
+    return TensorSpec(shape, linear=True, group=group, split=split, split_unit=unit)
 
 
 def _attention(cfg: GlmConfig, a: str) -> Schema:
+    """Tensor parallelism splits the heads (q and kv_b rows, o columns); the latent is whole."""
     h, heads, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    nope_v, v = cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
     out: Schema = {}
     if cfg.q_lora_rank is None:
-        out[a + "q_proj.weight"] = _linear((heads * qk, h), "attention")
+        out[a + "q_proj.weight"] = _linear((heads * qk, h), "attention", "rows", qk)
     else:
         out[a + "q_a_proj.weight"] = _linear((cfg.q_lora_rank, h), "attention")
         out[a + "q_a_layernorm.weight"] = TensorSpec((cfg.q_lora_rank,), group="norms")
-        out[a + "q_b_proj.weight"] = _linear((heads * qk, cfg.q_lora_rank), "attention")
+        out[a + "q_b_proj.weight"] = _linear((heads * qk, cfg.q_lora_rank), "attention", "rows", qk)
     return out | {
         a + "kv_a_proj_with_mqa.weight": _linear((cfg.kv_lora_rank + cfg.qk_rope_head_dim, h), "attention"),
         a + "kv_a_layernorm.weight": TensorSpec((cfg.kv_lora_rank,), group="norms"),
-        a + "kv_b_proj.weight": _linear(
-            (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "attention"
-        ),
-        a + "o_proj.weight": _linear((h, heads * cfg.v_head_dim), "attention"),
+        a + "kv_b_proj.weight": _linear((heads * nope_v, cfg.kv_lora_rank), "attention", "rows", nope_v),
+        a + "o_proj.weight": _linear((h, heads * v), "attention", "cols", v),
     }
 
 
@@ -73,10 +73,11 @@ def _mlp(cfg: GlmConfig, m: str, dense: bool) -> Schema:
 
 
 def _swiglu(p: str, inner: int, h: int, group: str) -> Schema:
+    """Tensor parallelism splits the intermediate: gate / up rows, down columns."""
     return {
-        p + "gate_proj.weight": _linear((inner, h), group),
-        p + "up_proj.weight": _linear((inner, h), group),
-        p + "down_proj.weight": _linear((h, inner), group),
+        p + "gate_proj.weight": _linear((inner, h), group, "rows"),
+        p + "up_proj.weight": _linear((inner, h), group, "rows"),
+        p + "down_proj.weight": _linear((h, inner), group, "cols"),
     }
 
 
