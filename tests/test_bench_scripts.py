@@ -72,3 +72,18 @@ def test_bench_long_prompt_dry_run() -> None:
     engine = report["engine"]
     assert engine["ttft_ms"] > 0 and len(engine["tokens"]) == 4 and engine["same_first_token_both_runs"]
     assert report["transformers"]["ttft_ms"] > 0 and report["same_first_token_as_hf"]
+
+
+def test_bench_ranks_prints_each_ranks_share(tiny_model_dir: Path) -> None:
+    """Two ranks with expert parallelism: each holds half the routed experts and of the split attention,
+    the embeddings whole."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_ranks.py"), "--model", str(tiny_model_dir), "--ep"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    whole, ranks = report["by_group"]["whole"], report["by_group"]["ranks"]
+    for rank in ranks:
+        assert rank["routed_experts"] * 2 == whole["routed_experts"]
+        assert rank["embed_head"] == whole["embed_head"] and rank["attention"] < whole["attention"]
