@@ -126,4 +126,4 @@ def test_a_missing_device_is_one_line_exit_2(
 def test_help_shows_defaults_and_the_transport(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "(default: 65536)" in out and "(default: 30.0)" in out and "transport" in out
+    assert "(default: 0.9)" in out and "(default: 30.0)" in out and "transport" in out

@@ -20,7 +20,7 @@ import pytest
 import torch
 import trio
 
-from dsv4serve import AsyncEngine, Engine, RequestError, SamplingParams
+from dsv4serve import AsyncEngine, Engine, RequestError, SamplingParams, logs
 from dsv4serve.actors.system import EngineCoreDied
 from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.layers.formats import decode_e8m0, quantize_fp8_block, quantize_mxfp4
@@ -107,6 +107,7 @@ def _rank_pids(model: Path) -> list[int]:
 
 
 async def test_a_killed_rank_fails_the_open_requests_and_stops_the_engine(glm_dir: Path) -> None:
+    logs.configure("warning", stream=sys.stderr)  # an earlier test's captured stream may be closed
     params = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
     prompts = _prompts(3)[:3]
     errors: list[RequestError] = []

@@ -151,6 +151,9 @@ INTERNAL: list[tuple[Any, Any]] = [
     ),
     (p.Tokenized(rid="r1", prompt_token_ids=(1, 2), params=SAMPLING), p.FrontToCore),
     (p.CoreReady(weight_bytes={"b": 10}, pid=7, max_model_len=64, max_total_tokens=128), p.CoreToFront),
+    (p.RankWriteLocs(locs=(make_locs(),)), p.RankMsg),
+    (p.RankLaunch(plan=p.StepPlan(step=3, items=()), all_logits=True), p.RankMsg),
+    (p.RankStop(), p.RankMsg),
     (
         p.CoreStatus(
             running=1,
