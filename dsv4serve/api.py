@@ -46,7 +46,8 @@ def system_options(model: str | Path, engine: EngineConfig, core_process: bool =
     model_dir = Path(model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model: no config.json in {model_dir}")
-    return SystemOptions(model_dir=model_dir, engine=engine, core_process=core_process)
+    several = engine.data_parallel_size > 1  # each data-parallel rank is an engine-core process
+    return SystemOptions(model_dir=model_dir, engine=engine, core_process=core_process or several)
 
 
 @asynccontextmanager

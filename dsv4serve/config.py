@@ -96,7 +96,7 @@ class EngineConfig:
         positive=True,
     )
     data_parallel_size: int = knob(
-        1, "engine cores, each with its own requests and KV (not built yet: 1)", positive=True
+        1, "engine cores (processes), each with its own requests and KV, behind one front door", positive=True
     )
     expert_parallel_size: int = knob(
         1,
@@ -117,8 +117,6 @@ class EngineConfig:
                 f"expert_parallel_size: {self.expert_parallel_size} must be 1 or tensor_parallel_size x "
                 f"data_parallel_size ({ranks})"
             )
-        if self.data_parallel_size != 1:
-            raise ConfigError("data_parallel_size: only 1 is built yet (tensor and expert parallelism are)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization: expected a number in (0, 1], got {self.gpu_memory_utilization!r}"

@@ -16,6 +16,7 @@ the npu backend maps onto them one to one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
@@ -302,6 +303,13 @@ def rank_device(device: str, rank: int) -> str:
     + rank (`cuda:1` -> rank 1 on `cuda:2`)."""
     kind, _, index = device.partition(":")
     return device if kind == "cpu" else f"{kind}:{int(index or 0) + rank}"
+
+
+def share_host(device: str, ranks: int) -> None:
+    """`ranks` processes compute on this host's CPU (device `cpu`): each takes its share of the cores
+    (torch's default, every core each, oversubscribes them: its worker threads then spin)."""
+    if device.partition(":")[0] == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
 
 
 def select(device: str) -> Backend:

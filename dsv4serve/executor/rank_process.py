@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from dsv4serve import logs
 from dsv4serve.config import EngineConfig
+from dsv4serve.executor.ranks import Place
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.protocol import RankLaunch, RankMsg, RankStop, RankWriteLocs
 
 
-def serve_rank(model_dir: str, fields: dict[str, Any], rank: int, port: int, conn: Connection) -> None:
-    log = structlog.get_logger().bind(actor="rank", rank=rank)
-    runner = ModelRunner(model_dir, EngineConfig(**fields), rank=rank, port=port)
+def serve_rank(model_dir: str, fields: dict[str, Any], place: Place, conn: Connection) -> None:
+    log = structlog.get_logger().bind(actor="rank", dp_rank=place.dp_rank, tp_rank=place.tp_rank)
+    runner = ModelRunner(model_dir, EngineConfig(**fields), place=place)
     conn.send_bytes(b"ready")
     decoder = msgspec.msgpack.Decoder(RankMsg)
     try:
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
     fd, raw = int(argv[0]), json.loads(argv[1])
     logs.configure(raw["log_level"])
     conn = Connection(socket.socket(fileno=fd).detach())
-    serve_rank(raw["model_dir"], raw["engine"], raw["rank"], raw["port"], conn)
+    serve_rank(raw["model_dir"], raw["engine"], Place(**raw["place"]), conn)
     return 0
 
 

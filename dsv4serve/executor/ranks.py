@@ -20,23 +20,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import queue
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from dsv4serve import logs
-from dsv4serve.backends import rank_device
+from dsv4serve.backends import rank_device, share_host
 from dsv4serve.config import EngineConfig
 from dsv4serve.layers.parallel import Shard
-from dsv4serve.protocol import RankMsg, RankStop
+from dsv4serve.protocol import RankMsg, RankStop, SamplingParams, StepItem, StepPlan
 
 RANK_TIMEOUT_S = 120  # a collective waiting longer fails (its rank then exits; rank 0 raises RanksBroken)
 READY_TIMEOUT_S = 900  # for the other ranks to load their weights
@@ -46,25 +51,93 @@ class RanksBroken(RuntimeError):
     """The ranks are out of step (a rank died, a collective failed): the engine must stop."""
 
 
-def join_group(engine: EngineConfig, collectives: str, rank: int, port: int) -> Shard:
-    """Join the group of `engine.tensor_parallel_size` ranks rendezvousing on 127.0.0.1:`port`."""
-    size = engine.tensor_parallel_size
-    device = torch.device(rank_device(engine.device, rank))
+@dataclass(frozen=True)
+class Place:
+    """A rank of the engine: its data-parallel rank (which engine core), its rank in that core's
+    tensor-parallel group, and the port every rank of the engine rendezvouses on. Global rank = dp_rank x
+    tensor_parallel_size + tp_rank; its device is the engine's device index + the global rank."""
+
+    dp_rank: int
+    tp_rank: int
+    port: int
+
+    def global_rank(self, engine: EngineConfig) -> int:
+        return self.dp_rank * engine.tensor_parallel_size + self.tp_rank
+
+    def device(self, engine: EngineConfig) -> str:
+        return rank_device(engine.device, self.global_rank(engine))
+
+
+@dataclass(frozen=True)
+class Joined:
+    """This rank's share (`Shard`) and, when the expert group spans the data-parallel ranks, the CPU
+    group of the cores' leaders (tp_rank 0) that keeps their steps in lockstep."""
+
+    shard: Shard
+    leaders: Any = None
+
+
+def join_group(engine: EngineConfig, collectives: str, place: Place) -> Joined:
+    """Join every rank of the engine (tensor_parallel_size x data_parallel_size). Groups, created by
+    every rank in the same order: each core's tensor-parallel ranks; with the expert group spanning
+    the cores (expert_parallel_size = every rank, more than one core), the ranks of equal tp_rank across
+    the cores (whose tokens each MoE layer gathers) and the cores' leaders (a gloo group)."""
+    tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
+    world, me = tp * dp, place.global_rank(engine)
+    share_host(engine.device, world)
+    device = torch.device(place.device(engine))
     if device.index is not None:  # the rank's accelerator, for the collectives' own buffers
         torch.accelerator.set_device_index(device.index)
     dist.init_process_group(
         collectives,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
+        init_method=f"tcp://127.0.0.1:{place.port}",
+        rank=me,
+        world_size=world,
         timeout=timedelta(seconds=RANK_TIMEOUT_S),
     )
+    cores = [dist.new_group([d * tp + t for t in range(tp)]) for d in range(dp)] if dp > 1 else [None]
+    tp_group = cores[place.dp_rank]
+    ep = engine.expert_parallel_size > 1
+    if not (ep and dp > 1):
+        return Joined(Shard(place.tp_rank, tp, _all_reduce(tp_group), expert_parallel=ep))
+    across = [dist.new_group([d * tp + t for d in range(dp)]) for t in range(tp)]
+    leaders = dist.new_group([d * tp for d in range(dp)], backend="gloo")
+    gather = partial(_gather, group=across[place.tp_rank], rank=place.dp_rank)
+    shard = Shard(
+        place.tp_rank, tp, _all_reduce(tp_group), expert_parallel=True, expert_rank=me, expert_size=world,
+        gather=gather, expert_reduce=_all_reduce(None),
+    )  # fmt: skip
+    return Joined(shard, leaders)
+
+
+def _all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    if group is not None and dist.get_world_size(group) == 1:
+        return _unchanged
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
         return x
 
-    return Shard(rank, size, reduce, expert_parallel=engine.expert_parallel_size > 1)
+    return reduce
+
+
+def _gather(*tensors: torch.Tensor, group: Any, rank: int) -> tuple[list[torch.Tensor], slice]:
+    """Every core's rows of each tensor (cores hold different numbers: padded to the most, then cut),
+    and the slice of this core's rows among them."""
+    size = dist.get_world_size(group)
+    n = tensors[0].shape[0]
+    counts = [torch.zeros(1, dtype=torch.int64, device=tensors[0].device) for _ in range(size)]
+    dist.all_gather(counts, torch.tensor([n], dtype=torch.int64, device=tensors[0].device), group=group)
+    rows = [int(c.item()) for c in counts]  # (a host sync per MoE layer: such steps run without graphs)
+    most, out = max(rows), []
+    for t in tensors:
+        padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        padded[:n] = t
+        every = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(every, padded, group=group)
+        out.append(torch.cat([e[:k] for e, k in zip(every, rows, strict=True)]))
+    start = sum(rows[:rank])
+    return out, slice(start, start + n)
 
 
 def agree_min(value: int, device: torch.device) -> int:
@@ -92,13 +165,15 @@ class Followers:
         self.broken: str | None = None
 
     @classmethod
-    def start(cls, model_dir: str, engine: EngineConfig, port: int) -> Followers:
-        """Start ranks 1 .. N-1 (`rank_process.py`); they load their shares while rank 0 loads its own.
-        Each runs in a session of its own: a terminal's Ctrl-C reaches rank 0 only, which stops them."""
+    def start(cls, model_dir: str, engine: EngineConfig, leader: Place) -> Followers:
+        """Start the leader's core's ranks 1 .. N-1 (`rank_process.py`); they load their shares while
+        the leader loads its own. Each runs in a session of its own: a terminal's Ctrl-C reaches the
+        leader only, which stops them."""
         procs, conns = [], []
         for rank in range(1, engine.tensor_parallel_size):
             ours, theirs = socket.socketpair()
-            args = {"model_dir": model_dir, "engine": dataclasses.asdict(engine), "rank": rank, "port": port}
+            place = dataclasses.asdict(dataclasses.replace(leader, tp_rank=rank))
+            args = {"model_dir": model_dir, "engine": dataclasses.asdict(engine), "place": place}
             args["log_level"] = logs.current_level()
             with theirs:
                 argv = [sys.executable, "-m", "dsv4serve.executor.rank_process", str(theirs.fileno())]
@@ -161,3 +236,91 @@ class Followers:
                 proc.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+IDLE_POLL_S = 0.002  # how often idle cores check whether another core has a step
+
+
+def idle_plan(pad_row: int) -> StepPlan:
+    """A core's step when it has none but another core has: one padding token on the tables' pad row
+    (every slot it touches a sentinel), sampling nothing."""
+    item = StepItem(
+        rid="", prefix_len=0, token_ids=(0,), sample=False, sampling=SamplingParams(), row=pad_row
+    )
+    return StepPlan(step=-1, items=(item,))
+
+
+class Lockstep:
+    """A data-parallel core's launches in step with the other cores': with the experts spread over
+    every rank, each MoE layer gathers every core's tokens, so every core runs every step. A thread
+    owns the core's launches: each round the cores' leaders say (an all-reduce over their gloo group)
+    whether one has a step and whether all are closing; then every core launches its step, or the idle
+    step (`idle_plan`) when it has none. Idle rounds are IDLE_POLL_S apart; after a busy one the next
+    starts at once.
+    """
+
+    def __init__(self, group: Any, launch: Callable[[StepPlan, bool, bool], Any], idle: StepPlan) -> None:
+        self.group, self._launch, self.idle = group, launch, idle
+        self.plans: queue.Queue[tuple[StepPlan, bool, bool, Future[Any]]] = queue.Queue()
+        self.closing = threading.Event()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._rounds, name="dsv4serve-lockstep", daemon=True)
+        self.thread.start()
+
+    def launch(self, plan: StepPlan, all_logits: bool, keep_logits: bool) -> Any:
+        """Queue the step for the next round; returns its pending step once launched."""
+        if self.failure is not None:
+            raise RanksBroken(f"the cores fell out of step: {self.failure}")
+        done: Future[Any] = Future()
+        self.plans.put((plan, all_logits, keep_logits, done))
+        return done.result()
+
+    def close(self) -> None:
+        """Leave once every core is idle and closing (another core's last steps still get this one's)."""
+        self.closing.set()
+        self.thread.join()
+
+    def _rounds(self) -> None:
+        flags, busy = torch.zeros(2, dtype=torch.int64), True
+        while True:
+            try:
+                job = self.plans.get(timeout=0 if busy else IDLE_POLL_S)
+            except queue.Empty:
+                job = None
+            flags[0] = job is not None  # some core has a step (max)
+            flags[1] = job is not None or not self.closing.is_set()  # some core goes on (max)
+            try:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            except Exception as exc:  # a core is gone: nothing can step any more
+                self._fail(exc, job)
+                return
+            if not flags[1]:
+                return
+            busy = bool(flags[0])
+            if busy:
+                self._run(job)
+
+    def _run(self, job: tuple[StepPlan, bool, bool, Future[Any]] | None) -> None:
+        if job is None:
+            try:
+                self._launch(self.idle, False, False).wait()
+            except Exception as exc:
+                self.failure = exc
+            return
+        plan, all_logits, keep_logits, done = job
+        try:
+            done.set_result(self._launch(plan, all_logits, keep_logits))
+        except Exception as exc:
+            done.set_exception(exc)
+
+    def _fail(self, exc: BaseException, job: tuple[StepPlan, bool, bool, Future[Any]] | None) -> None:
+        self.failure = exc
+        pending = [job] if job is not None else []
+        while not self.plans.empty():
+            pending.append(self.plans.get_nowait())
+        for *_, done in pending:
+            done.set_exception(RanksBroken(f"the cores fell out of step: {type(exc).__name__}: {exc}"))
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x

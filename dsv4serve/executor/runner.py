@@ -15,13 +15,22 @@ from typing import Any
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch
-from dsv4serve.backends import Backend, HostCopy, Transfers, rank_device, select
+from dsv4serve.backends import Backend, HostCopy, Transfers, select
 from dsv4serve.config import CPU_MAX_TOTAL_TOKENS, ConfigError, EngineConfig
 from dsv4serve.executor.grammar import Grammars
 from dsv4serve.executor.graphs import DecodeGraphs, GraphKey
 from dsv4serve.executor.inputs import SamplingFlags, host_words, spans
 from dsv4serve.executor.processing import LogitProcessing, Prepared
-from dsv4serve.executor.ranks import Followers, agree_min, free_port, join_group
+from dsv4serve.executor.ranks import (
+    Followers,
+    Joined,
+    Lockstep,
+    Place,
+    agree_min,
+    free_port,
+    idle_plan,
+    join_group,
+)
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
 from dsv4serve.layers.linear import Weight, quantize_weights_int8, resident_bytes
 from dsv4serve.layers.parallel import Shard
@@ -124,28 +133,34 @@ def request_seed(rid: str, seed: int | None, engine_seed: int) -> int:
 
 
 class ModelRunner:
+    followers: Followers | None  # this core's other tensor-parallel ranks (its leader's)
+    lockstep: Lockstep | None  # steps in lockstep with the other data-parallel cores (their leaders')
+    tables: SlotTables
+
     def __init__(
         self,
         model_dir: str | Path,
         engine: EngineConfig,
         sizes: PoolSizes | None = None,
         ops: Backend | None = None,
-        rank: int = 0,
-        port: int | None = None,
+        place: Place | None = None,
     ) -> None:
         """Load a checkpoint; `ops` overrides the device's backend (tests run Triton's on CPU tensors).
-        With tensor_parallel_size N > 1, rank 0 (this call's default) spawns ranks 1 .. N-1 (`ranks.py`,
-        which build theirs with `rank` and the rendezvous `port`), and each holds its share."""
+        Several ranks (tensor_parallel_size or data_parallel_size > 1, `ranks.py`): a core's leader
+        (tp_rank 0; `place` None for the only core) starts its other tensor-parallel ranks, each of which
+        builds its own runner at its `place`; every rank holds its share."""
         cfg = config_from_dir(model_dir)
         ops = ops or select(engine.device)  # a device this machine lacks fails before any weight loads
-        followers, shard = None, Shard()
-        if engine.tensor_parallel_size > 1:
-            if rank == 0:
-                port = free_port()
-                followers = Followers.start(str(model_dir), engine, port)
-            assert port is not None, "a rank other than 0 joins rank 0's rendezvous port"
-            shard = join_group(engine, ops.collectives, rank, port)
-            engine = engine.with_(device=rank_device(engine.device, rank))
+        followers, joined = None, Joined(Shard())
+        if engine.tensor_parallel_size * engine.data_parallel_size > 1:
+            place = place or Place(0, 0, free_port())
+            if place.tp_rank == 0 and engine.tensor_parallel_size > 1:
+                followers = Followers.start(str(model_dir), engine, place)
+            joined = join_group(engine, ops.collectives, place)
+            engine = engine.with_(device=place.device(engine))
+            if joined.leaders is not None:  # steps in lockstep with the other cores: no device graphs
+                engine = engine.with_(graphs=False)
+        shard = joined.shard
         dtype = getattr(torch, engine.torch_dtype_name)
         spec = spec_for(cfg.model_type)
         weights = load_weights(
@@ -163,6 +178,9 @@ class ModelRunner:
         self.followers = followers
         if followers is not None:
             followers.wait_ready()
+        if joined.leaders is not None and place is not None and place.tp_rank == 0:
+            idle = idle_plan(self.tables.pad_row)
+            self.lockstep = Lockstep(joined.leaders, self._launch_everywhere, idle)
 
     @classmethod
     def from_weights(
@@ -176,7 +194,6 @@ class ModelRunner:
         """A runner over weights already on the device, by schema name (benchmarks build random ones)."""
         runner = cls.__new__(cls)
         runner._build(cfg, weights, engine, sizes, ops, None, Shard())
-        runner.followers = None
         return runner
 
     def _build(
@@ -191,6 +208,7 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(engine.device)
         self.ops: Backend = ops or select(engine.device)
+        self.followers = self.lockstep = None
         spec = spec_for(cfg.model_type)
         if engine.weight_quant == "int8":
             weights = quantize_weights_int8(weights, _int8_names(spec, cfg))
@@ -265,7 +283,10 @@ class ModelRunner:
         write_cache_locs_batch(self.tables, locs)
 
     def close(self) -> None:
-        """Stop the other ranks (tensor parallelism), if any."""
+        """Stop stepping with the other cores, then the core's other ranks, if any."""
+        if self.lockstep is not None:
+            self.lockstep.close()
+            self.lockstep = None
         if self.followers is not None:
             self.followers.close()
             self.followers = None
@@ -294,7 +315,14 @@ class ModelRunner:
     def launch(self, plan: StepPlan, all_logits: bool = False, keep_logits: bool = False) -> PendingStep:
         """Queue the step on the device (and on the other ranks, which run it on their shares) and return
         at once; `wait()` on the result gives its tokens. Under tensor parallelism a step that fails
-        leaves the ranks out of step: RanksBroken."""
+        leaves the ranks out of step: RanksBroken. With the experts spread over the data-parallel
+        cores, the step waits for the cores' next common step (`Lockstep`)."""
+        if self.lockstep is not None:
+            return self.lockstep.launch(plan, all_logits, keep_logits)
+        return self._launch_everywhere(plan, all_logits, keep_logits)
+
+    def _launch_everywhere(self, plan: StepPlan, all_logits: bool, keep_logits: bool) -> PendingStep:
+        """The step on this core's other ranks (in order), then on this one."""
         if self.followers is None:
             return self._launch(plan, all_logits, keep_logits)
         self.followers.send(RankLaunch(plan=plan, all_logits=all_logits), plan.step)

@@ -28,12 +28,36 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _alone(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], slice]:
+    return list(tensors), slice(None)
+
+
+Gather = Callable[..., tuple[list[torch.Tensor], slice]]
+
+
 @dataclass(frozen=True)
 class Shard:
+    """`rank` of a tensor-parallel group of `size` (heads and MLP intermediates split, `reduce` its
+    all-reduce); the routed experts: whole, block `expert_rank` of `expert_size` (expert parallelism),
+    else each one's intermediate by the tensor-parallel split. When the expert group spans data-parallel
+    ranks (each with tokens of its own), `gather` brings every such rank's tokens (the rows of each
+    tensor given) and the slice of this rank's among them, and `expert_reduce` sums the experts'
+    partial outputs over the expert group."""
+
     rank: int = 0
     size: int = 1
     reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_unchanged, compare=False)
     expert_parallel: bool = True  # routed experts: whole ones per rank, else each one's intermediate
+    expert_rank: int | None = None  # None: `rank` (the expert group is the tensor-parallel group)
+    expert_size: int | None = None
+    gather: Gather | None = field(default=None, compare=False)
+    expert_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+
+    def expert_span(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's block [start, stop) of n routed experts (expert parallelism)."""
+        rank = self.rank if self.expert_rank is None else self.expert_rank
+        size = self.size if self.expert_size is None else self.expert_size
+        return Shard(rank, size).span(n, what)
 
     def span(self, n: int, what: str, unit: int = 1) -> tuple[int, int]:
         """The rank's [start, stop) of n items split evenly in blocks of `unit` (ShardError if not)."""
@@ -82,9 +106,9 @@ class Shard:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's (T, k) choices over all experts as choices over this rank's: other ranks'
         experts get weight 0 (on local expert 0), so the group's reduced sum is the whole MoE."""
-        if self.size == 1 or not self.expert_parallel:
+        if not self.expert_parallel or (self.expert_size or self.size) == 1:
             return weights, ids
-        start, stop = self.span(num_experts, "experts")
+        start, stop = self.expert_span(num_experts, "experts")
         mine = (ids >= start) & (ids < stop)
         return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, ids - start, 0)
 

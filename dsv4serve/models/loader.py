@@ -125,8 +125,8 @@ def load_weights(
     shard = shard or Shard()
     sizes = _stack_sizes(expected)
     held = sizes
-    if shard.size > 1 and shard.expert_parallel:
-        held = {n: shard.count(e, f"{n}: routed experts") for n, e in sizes.items()}
+    if shard.expert_parallel and (shard.expert_size or shard.size) > 1:
+        held = {n: _count(shard.expert_span(e, f"{n}: routed experts")) for n, e in sizes.items()}
     out: dict[str, Weight] = {}
     for name, value in iter_weights(
         model_dir,
@@ -145,6 +145,10 @@ def load_weights(
     return out
 
 
+def _count(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
+
+
 def _share(
     name: str, value: Weight, expected: Expected, sizes: dict[str, int], shard: Shard
 ) -> tuple[Weight, int | None] | None:
@@ -152,11 +156,11 @@ def _share(
     tensor is another rank's (an expert of another rank's block)."""
     slot = expected.naming.expert(name)
     expert = None if slot is None else slot[1]
+    if slot is not None and shard.expert_parallel and (shard.expert_size or shard.size) > 1:
+        start, stop = shard.expert_span(sizes[slot[0]], f"{slot[0]}: routed experts")
+        return (value, slot[1] - start) if start <= slot[1] < stop else None
     if shard.size == 1:
         return value, expert
-    if slot is not None and shard.expert_parallel:
-        start, stop = shard.span(sizes[slot[0]], f"{slot[0]}: routed experts")
-        return (value, slot[1] - start) if start <= slot[1] < stop else None
     held = expected.schema[name]
     if held.split == "rows":
         return shard.rows(value, name, held.split_unit), expert

@@ -26,6 +26,7 @@ from dsv4serve.models.deepseek_v4.attention import (
     attention_forward,
 )
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
+from dsv4serve.moe.experts import swiglu
 from dsv4serve.moe.routing import SCORINGS
 
 if TYPE_CHECKING:
@@ -164,22 +165,32 @@ class DeepseekV4:
         return dsv4.hc_post(self._moe(x, w.ffn, batch), h, post, comb)
 
     def _moe(self, x: torch.Tensor, w: MoEWeights, batch: ForwardBatch) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, sh = self.cfg, self.shard
         softmax = cfg.scoring_func == "softmax"
+        tokens, own = (x, batch.input_ids), slice(None)
+        if sh.gather is not None:  # every data-parallel rank's tokens (the expert group spans them)
+            (xs, input_ids), own = sh.gather(x, batch.input_ids)
+            tokens = (xs, input_ids)
         weights, ids = self.ops.gating_top_k(
-            self.ops.linear(x, w.gate),  # (T, E) logits in x's dtype
+            self.ops.linear(tokens[0], w.gate),  # (N, E) logits in x's dtype
             cfg.num_experts_per_tok,
             bias=w.bias,
-            input_ids=batch.input_ids if w.tid2eid is not None else None,
+            input_ids=tokens[1] if w.tid2eid is not None else None,
             tid2eid=w.tid2eid,
             norm_type=SCORINGS.index(cfg.scoring_func),
             routed_scaling_factor=1.0 if softmax else cfg.routed_scaling_factor,
         )
         if softmax:  # the op never renormalizes softmax weights; DSV4 renormalizes every score function
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
-        weights, ids = self.shard.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
-        routed = self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit, w.shared)
-        return self.shard.reduce(routed)
+        weights, ids = sh.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
+        if sh.expert_reduce is None:  # the expert group is the tensor-parallel group
+            routed = self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit, w.shared)
+            return sh.reduce(routed)
+        routed = self.ops.routed_experts(tokens[0], weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit)
+        out = sh.expert_reduce(routed)[own]
+        if w.shared is None:
+            return out
+        return out + sh.reduce(swiglu(x, *w.shared, limit=cfg.swiglu_limit, matmul=self.ops.linear))
 
 
 # The layout's pools and buffers (config.py's `kv_layout`) by the role the attention gives them.

@@ -145,8 +145,10 @@ class Glm4MoeLite:
         if w.gate_up_down is not None:
             return self.shard.reduce(swiglu(x, *w.gate_up_down, limit=math.inf, matmul=ops.linear))
         assert w.router is not None and w.experts is not None
+        sh = self.shard
+        (xs,), own = sh.gather(x) if sh.gather is not None else ((x,), slice(None))  # every DP rank's tokens
         weights, ids = ops.gating_top_k(
-            torch.nn.functional.linear(x.float(), w.router),  # (T, E) fp32 logits (the router kept in fp32)
+            torch.nn.functional.linear(xs.float(), w.router),  # (N, E) fp32 logits (the router kept in fp32)
             cfg.num_experts_per_tok,
             bias=w.bias,
             k_group=cfg.topk_group,
@@ -155,7 +157,10 @@ class Glm4MoeLite:
             norm_type=1,
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
-        weights, ids = self.shard.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
-        return self.shard.reduce(
-            ops.routed_experts(x, weights.to(x.dtype), ids, *w.experts, math.inf, w.shared)
-        )
+        weights, ids = sh.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
+        if sh.expert_reduce is None:  # the expert group is the tensor-parallel group
+            return sh.reduce(ops.routed_experts(x, weights.to(x.dtype), ids, *w.experts, math.inf, w.shared))
+        out = sh.expert_reduce(ops.routed_experts(xs, weights.to(x.dtype), ids, *w.experts, math.inf))[own]
+        if w.shared is None:
+            return out
+        return out + sh.reduce(swiglu(x, *w.shared, limit=math.inf, matmul=ops.linear))
