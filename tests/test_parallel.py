@@ -162,8 +162,8 @@ async def test_a_killed_rank_fails_the_open_requests_and_stops_the_engine(
 def test_parallel_knobs_are_checked() -> None:
     with pytest.raises(ConfigError, match="expert_parallel_size"):
         EngineConfig(tensor_parallel_size=2, expert_parallel_size=3)
-    with pytest.raises(ConfigError, match="data_parallel_size"):
-        EngineConfig(data_parallel_size=2)
+    with pytest.raises(ConfigError, match="expert_parallel_size"):
+        EngineConfig(data_parallel_size=2, expert_parallel_size=3)
     assert EngineConfig(tensor_parallel_size=4, expert_parallel_size=4).expert_parallel_size == 4
 
 

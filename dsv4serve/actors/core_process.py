@@ -353,7 +353,8 @@ async def run_front(
             core.ready = first[0]
             _apply(first[1:], core, cores, [])
         ready = [c.ready for c in cores if c.ready is not None]
-        log.info("loaded", model_dir=str(options.model_dir), core_pids=[r.pid for r in ready])
+        pids = [r.pid for r in ready]
+        log.info("loaded", model_dir=str(options.model_dir), core_pid=pids[0], core_pids=pids)
         weight_bytes: dict[str, int] = {}
         for r in ready:
             for fmt, n in r.weight_bytes.items():
