@@ -635,3 +635,34 @@ def test_grouped_wo_a_kept_fp8_is_a_w8a8_linear_per_group(backend: str) -> None:
     assert fp8_rows_or_plain(weights, "wo_a", R) is wo_a
     decoded = fp8_rows_or_plain(weights, "wo_a", 64)  # 64-row groups split the 128-row blocks
     assert isinstance(decoded, torch.Tensor) and torch.equal(decoded, wo_a.dequantized(torch.bfloat16))
+
+
+def test_ranks_hold_their_share_of_official_weights(
+    official: tuple[Path, Path], model: DeepseekV4Config
+) -> None:
+    """Two expert-parallel ranks loading the official pair, MXFP4 experts kept packed: each rank's block
+    of whole experts decodes to the float twin's same block, and two ranks serve the same greedy tokens
+    as one. Without expert parallelism the tiny experts' intermediate (32) cannot split over two ranks
+    on MXFP4's 32-column scale groups: refused, naming the tensor."""
+    from dsv4serve.layers.parallel import Shard, ShardError
+
+    mx, twin = official
+    want = load_checkpoint(twin, model, dtype=torch.float32)
+    for rank in range(2):
+        got = load_checkpoint(mx, model, dtype=torch.float32, fp4_experts="mxfp4", shard=Shard(rank, 2))
+        for name, w in got.items():
+            if ".ffn.experts." in name:
+                whole = want[name]
+                assert isinstance(w, Mxfp4Weight) and isinstance(whole, torch.Tensor), name
+                part = whole.shape[0] // 2
+                assert torch.equal(w.dequantized(torch.float32), whole[rank * part : (rank + 1) * part]), name
+    with pytest.raises(ShardError, match=r"experts\.0\.w2\.weight.*scale groups"):
+        load_checkpoint(
+            mx, model, dtype=torch.float32, fp4_experts="mxfp4", shard=Shard(0, 2, expert_parallel=False)
+        )
+    knobs = {"max_total_tokens": 512, "page_size": 8, "fp4_experts": "mxfp4"}
+    params = SamplingParams(max_tokens=6, temperature=0)
+    with Engine(mx, **knobs) as engine:
+        one = [c.token_ids for c in engine.generate(_prompts(), params)]
+    with Engine(mx, **knobs, tensor_parallel_size=2, expert_parallel_size=2) as engine:
+        assert [c.token_ids for c in engine.generate(_prompts(), params)] == one
