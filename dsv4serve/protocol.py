@@ -204,6 +204,9 @@ class SamplingParams(SamplingFields, frozen=True, kw_only=True, forbid_unknown_f
         super().__post_init__()
         ok = self.structured is None or isinstance(self.structured, StructuredOutput)
         check_value("structured", ok, "a StructuredOutput or null", self.structured)
+        if self.structured is not None and self.min_tokens:  # an ended grammar allows EOS only
+            why = "not with structured output (the grammar decides where it ends)"
+            raise ValueError(f"min_tokens: {why}, got {self.min_tokens}")
         n, top, most = self.max_tokens, self.top_logprobs, MAX_TOP_LOGPROBS
         check_value("max_tokens", is_int(n) and 1 <= n <= MAX_INT, "an int in [1, 2**63)", n)
         check_value("logprobs", isinstance(self.logprobs, bool), "a bool", self.logprobs)

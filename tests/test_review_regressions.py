@@ -87,7 +87,7 @@ async def test_stdio_engine_crash_still_writes_the_accepted_requests_errors(
 async def test_failing_live_requests_waits_for_room_in_a_full_shared_channel(autojump_clock: object) -> None:
     """stdio's requests share one event channel: when the engine stopped while it was full (a slow
     stdout), the live requests' errors were dropped and those requests never ended."""
-    from dsv4serve.actors.system import fail_live
+    from dsv4serve.actors.system import deliver, fail_live
     from dsv4serve.actors.tokenizer import Client, Clients
     from dsv4serve.protocol import Event
 
@@ -106,7 +106,9 @@ async def test_failing_live_requests_waits_for_room_in_a_full_shared_channel(aut
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(slow_reader)
-        await fail_live(clients, "stopped")
+        undelivered = fail_live(clients, "stopped")  # every request ended at once; no room for their errors
+        assert clients.live() == [] and len(undelivered) == 3
+        await deliver(undelivered)
         send.close()
     assert [e.id for e in got] == ["x", "y", "a", "b", "c"]
     assert clients.live() == [] and clients.ended_by_reason == {"error": 3}

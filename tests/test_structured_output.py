@@ -224,3 +224,16 @@ def test_unpack_reads_bit_t_of_word_t_over_32() -> None:
         [[(int(mask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(3)], dtype=torch.bool
     )
     assert torch.equal(unpack(mask, vocab), want)
+
+
+def test_min_tokens_is_refused_beside_a_grammar(dsv4: ServedModel) -> None:
+    """An ended grammar allows EOS only, which min_tokens would forbid: every logit -inf."""
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured=json_output(SCHEMA, False))
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        _chat(dsv4, max_tokens=8, response_format={"type": "json_object"}, extra_body={"min_tokens": 2})
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+    with pytest.raises(openai.BadRequestError, match="response_format"):  # a completion's bad schema
+        _client(dsv4).completions.create(
+            model="tiny", prompt="x", max_tokens=4, extra_body={"response_format": bad}
+        )

@@ -211,8 +211,10 @@ async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
             await frames.send([ready, status()])
             nursery.start_soon(_write_to_front, outbox, frames, live, status)
             await _read_from_front(frames, to_scheduler, live, log)
-    finally:
-        runner.close()  # the other ranks, under tensor parallelism
+    except BaseException:
+        runner.close(abort=True)  # the other ranks; the other data-parallel cores stop too
+        raise
+    runner.close()
     log.info("stopped", pools_used={name: u.used for name, u in allocator.usage().items()})
 
 
@@ -483,7 +485,7 @@ async def _read_from_core(
     code = core.process.returncode
     message = f"the engine-core process died (exit code {code}) before the request finished"
     structlog.get_logger().bind(actor="system").error("engine_core_died", exit_code=code)
-    await handle.core_died(message)
+    handle.core_died(message)
 
 
 def _apply(

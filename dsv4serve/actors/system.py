@@ -61,7 +61,7 @@ from dsv4serve.protocol import (
 from dsv4serve.scheduler import SchedulerCore
 
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
-FULL_WAIT_S = 5.0  # how long a live request's last error waits for room in a full event channel
+FULL_WAIT_S = 5.0  # how long the last errors of live requests wait, in all, for room in full channels
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,7 @@ class EngineHandle:
         self._draining = False
         self.stopped = trio.Event()
         self.failure: str | None = None  # why the engine stopped on its own (its core process died)
+        self.undelivered: list[tuple[trio.MemorySendChannel[Event], ErrorEvent]] = []  # full channels'
 
     def submit(self, req: Submit, events: trio.MemorySendChannel[Event]) -> None:
         if self._draining or self.stopped.is_set():
@@ -282,11 +283,14 @@ class EngineHandle:
                 await self._front.send(Drain())
         await self.stopped.wait()
 
-    async def core_died(self, message: str) -> None:
-        """The engine core is gone: every live request ends with `message`, new ones are refused, and
-        the system stops (`failure` set; the servers then exit non-zero)."""
+    def core_died(self, message: str) -> None:
+        """The engine core is gone: every live request ends with `message` (at once, or once the system
+        stopped where its client's channel is full), new ones are refused, and the system stops
+        (`failure` set; the servers then exit non-zero). A second call (another core) changes nothing."""
+        if self.failure is not None:
+            return
         self.failure, self._draining = message, True
-        await fail_live(self._clients, message)
+        self.undelivered += fail_live(self._clients, message)
         self._nursery.cancel_scope.cancel()
 
     def raise_if_failed(self) -> None:
@@ -432,23 +436,36 @@ async def run_front_actors(
         message = "the engine stopped before the request finished"
         if handle is not None and handle.failure is not None:
             message = handle.failure
-        with trio.CancelScope(shield=True):
-            await fail_live(clients, message)
+        undelivered = fail_live(clients, message)
+        if handle is not None:
+            undelivered = handle.undelivered + undelivered
+        with trio.CancelScope(shield=True):  # the actors are done: nothing else ends a request now
+            await deliver(undelivered)
         front.close()
         if handle is not None:
             handle.stopped.set()
 
 
-async def fail_live(clients: Clients, message: str) -> None:
-    """Every live request ends with an `internal` error: at once, or (its client's channel full: a
-    slow reader, as stdio's shared one) once there is room, up to FULL_WAIT_S."""
+def fail_live(clients: Clients, message: str) -> list[tuple[trio.MemorySendChannel[Event], ErrorEvent]]:
+    """End every live request with an `internal` error, now (no other task runs meanwhile); the
+    events whose client channel is full (a slow reader, as stdio's shared one) are returned, for
+    `deliver` once the system has stopped."""
+    undelivered = []
     for rid, client in clients.live():
         clients.end(rid, "error")
         event = ErrorEvent(id=rid, code="internal", message=message)
         try:
             client.events.send_nowait(event)
         except trio.WouldBlock:
-            with trio.move_on_after(FULL_WAIT_S), contextlib.suppress(*_GONE):
-                await client.events.send(event)
+            undelivered.append((client.events, event))
         except _GONE:
             pass
+    return undelivered
+
+
+async def deliver(undelivered: list[tuple[trio.MemorySendChannel[Event], ErrorEvent]]) -> None:
+    """Send the events that found no room, waiting for room up to FULL_WAIT_S in all."""
+    with trio.move_on_after(FULL_WAIT_S):
+        for channel, event in undelivered:
+            with contextlib.suppress(*_GONE):
+                await channel.send(event)

@@ -16,6 +16,7 @@ import structlog
 import trio
 
 from dsv4serve.actors.tokenizer_core import IncrementalDetokenizer, StopMatcher, SupportsDecode
+from dsv4serve.chat.grammar import GrammarCheck
 from dsv4serve.chat.grammar import check as check_grammar
 from dsv4serve.protocol import (
     CancelRequest,
@@ -30,6 +31,7 @@ from dsv4serve.protocol import (
     Outputs,
     SchedulerMsg,
     StopHit,
+    StructuredOutput,
     Submit,
     Timing,
     TokenEvent,
@@ -129,6 +131,7 @@ class _Tokenizer:
     max_token_chars: int | None = None  # the longest token's text: longer prompts cannot fit
     vocab_size: int | None = None  # the model's: a tokenizer that yields ids past it is refused
     outputs: dict[str, _Output] = field(default_factory=dict)
+    grammar_check: Callable[[StructuredOutput], None] = check_grammar  # the front's compile of a grammar
     log: structlog.typing.FilteringBoundLogger = field(
         default_factory=lambda: structlog.get_logger().bind(actor="tokenizer")
     )
@@ -139,9 +142,9 @@ class _Tokenizer:
         except ValueError as exc:  # TokenizerError: its message names `stop`
             await self.fail(msg.rid, "invalid_request", str(exc))
             return
-        if msg.params.structured is not None:  # its grammar parses (the core compiles it later)
+        if msg.params.structured is not None:  # its grammar compiles (as the core's will)
             try:
-                await trio.to_thread.run_sync(check_grammar, msg.params.structured)
+                await trio.to_thread.run_sync(self.grammar_check, msg.params.structured)
             except ValueError as exc:
                 await self.fail(msg.rid, "invalid_request", str(exc))
                 return
@@ -326,6 +329,8 @@ async def run_tokenizer(
     """The first Drain (from the handle, after every accepted Submit) goes on to the scheduler; the
     second (the scheduler's, after every request's last message) ends the actor."""
     state = _Tokenizer(scheduler, clients, encode, decoder, max_model_len, max_token_chars, vocab_size)
+    if vocab_size is not None:  # the model's tokenizer: grammars compile against its vocabulary
+        state.grammar_check = GrammarCheck(decoder, vocab_size)
     num_drains = 0
     async with inbox, scheduler:
         async for msg in inbox:

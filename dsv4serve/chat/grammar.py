@@ -28,8 +28,33 @@ THINK_END = "</think>"
 THINK_TAGS = ["<think>", THINK_END]
 
 
+class GrammarCheck:
+    """Compiles each structured output against the model's tokenizer, as the engine core will (the
+    front has the tokenizer): a grammar that does not compile is refused before the request runs, so
+    the core's own compile of it (cached by xgrammar there) does not fail a step."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._compiler: Any = None
+
+    def __call__(self, structured: StructuredOutput) -> None:
+        """ValueError (naming the field) unless the grammar compiles."""
+        try:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info)
+            if structured.kind == "json_schema":
+                self._compiler.compile_json_schema(structured.spec, max_whitespace_cnt=MAX_WHITESPACE)
+            else:
+                self._compiler.compile_structural_tag(structured.spec)
+        except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own types
+            raise ValueError(f"{structured.origin}: {type(exc).__name__}: {str(exc).strip()}") from None
+
+
 def check(structured: StructuredOutput) -> None:
-    """ValueError (naming the field) unless xgrammar reads the grammar."""
+    """ValueError (naming the field) unless xgrammar reads the grammar (no tokenizer at hand)."""
     import xgrammar as xgr
 
     try:
@@ -42,16 +67,20 @@ def check(structured: StructuredOutput) -> None:
 
 
 def json_output(schema: dict[str, Any] | None, thinking: bool) -> StructuredOutput:
-    """A JSON answer (None: any JSON object), after free reasoning when `thinking`."""
+    """A JSON answer (None: any JSON object), after free reasoning when `thinking`; ChatError naming
+    `response_format` if the schema cannot make one."""
     schema = {"type": "object"} if schema is None else schema
-    if not thinking:
-        return StructuredOutput(kind="json_schema", spec=json.dumps(schema), origin="response_format")
-    from xgrammar import structural_tag as st
+    try:
+        if not thinking:
+            return StructuredOutput(kind="json_schema", spec=json.dumps(schema), origin="response_format")
+        from xgrammar import structural_tag as st
 
-    reasoning = st.TagFormat(begin="", content=st.AnyTextFormat(excludes=THINK_TAGS), end=THINK_END)
-    answer = st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_WHITESPACE)
-    tag = st.StructuralTag(format=st.SequenceFormat(elements=[reasoning, answer]))
-    return StructuredOutput(kind="structural_tag", spec=tag.model_dump_json(), origin="response_format")
+        reasoning = st.TagFormat(begin="", content=st.AnyTextFormat(excludes=THINK_TAGS), end=THINK_END)
+        answer = st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_WHITESPACE)
+        tag = st.StructuralTag(format=st.SequenceFormat(elements=[reasoning, answer]))
+        return StructuredOutput(kind="structural_tag", spec=tag.model_dump_json(), origin="response_format")
+    except Exception as exc:  # pydantic's, msgspec's or our own ValueError; xgrammar's own types
+        raise ChatError(f"response_format: {type(exc).__name__}: {str(exc).strip()}") from None
 
 
 def strict_tools(prompt: ChatPrompt) -> bool:
@@ -79,9 +108,9 @@ def tools_output(grammar_format: str, prompt: ChatPrompt, thinking: bool, parall
             parallel_tool_calls=parallel,
             max_whitespace_cnt=MAX_WHITESPACE,
         )
-    except ValueError as exc:  # a tool's schema xgrammar cannot read
-        raise ChatError(f"tools: {exc}") from None
-    return StructuredOutput(kind="structural_tag", spec=tag.model_dump_json(), origin="tools")
+        return StructuredOutput(kind="structural_tag", spec=tag.model_dump_json(), origin="tools")
+    except Exception as exc:  # a tool's schema xgrammar cannot read (ValueError, pydantic's, its own)
+        raise ChatError(f"tools: {type(exc).__name__}: {str(exc).strip()}") from None
 
 
 def _tool(tool: ToolSpec) -> dict[str, Any]:

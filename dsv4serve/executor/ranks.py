@@ -43,7 +43,9 @@ from dsv4serve.config import EngineConfig
 from dsv4serve.layers.parallel import Shard
 from dsv4serve.protocol import RankMsg, RankStop, SamplingParams, StepItem, StepPlan
 
-RANK_TIMEOUT_S = 120  # a collective waiting longer fails (its rank then exits; rank 0 raises RanksBroken)
+# A collective waiting longer fails (every group's; the first one after loading waits for the slowest
+# rank's weights). A rank whose process dies fails its peers' collectives at once on gloo.
+RANK_TIMEOUT_S = 600
 READY_TIMEOUT_S = 900  # for the other ranks to load their weights
 
 
@@ -95,13 +97,18 @@ def join_group(engine: EngineConfig, collectives: str, place: Place) -> Joined:
         world_size=world,
         timeout=timedelta(seconds=RANK_TIMEOUT_S),
     )
-    cores = [dist.new_group([d * tp + t for t in range(tp)]) for d in range(dp)] if dp > 1 else [None]
+    limit = timedelta(seconds=RANK_TIMEOUT_S)
+    cores = (
+        [dist.new_group([d * tp + t for t in range(tp)], timeout=limit) for d in range(dp)]
+        if dp > 1
+        else [None]
+    )
     tp_group = cores[place.dp_rank]
     ep = engine.expert_parallel_size > 1
     if not (ep and dp > 1):
         return Joined(Shard(place.tp_rank, tp, _all_reduce(tp_group), expert_parallel=ep))
-    across = [dist.new_group([d * tp + t for d in range(dp)]) for t in range(tp)]
-    leaders = dist.new_group([d * tp for d in range(dp)], backend="gloo")
+    across = [dist.new_group([d * tp + t for d in range(dp)], timeout=limit) for t in range(tp)]
+    leaders = dist.new_group([d * tp for d in range(dp)], backend="gloo", timeout=limit)
     gather = partial(_gather, group=across[place.tp_rank], rank=place.dp_rank)
     shard = Shard(
         place.tp_rank, tp, _all_reduce(tp_group), expert_parallel=True, expert_rank=me, expert_size=world,
@@ -222,6 +229,15 @@ class Followers:
         self.broken = f"step {step} failed on rank 0: {type(exc).__name__}: {exc}{gone}"
         return RanksBroken(self.broken)
 
+    def kill(self) -> None:
+        """The leader failed to start: end the other ranks at once."""
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            proc.wait()
+        for conn in self.conns:
+            conn.close()
+
     def close(self) -> None:
         with self.lock:
             for conn in self.conns:
@@ -250,76 +266,100 @@ def idle_plan(pad_row: int) -> StepPlan:
     return StepPlan(step=-1, items=(item,))
 
 
+Job = tuple[StepPlan, bool, bool, "Future[Any]"]
+
+
 class Lockstep:
     """A data-parallel core's launches in step with the other cores': with the experts spread over
     every rank, each MoE layer gathers every core's tokens, so every core runs every step. A thread
     owns the core's launches: each round the cores' leaders say (an all-reduce over their gloo group)
-    whether one has a step and whether all are closing; then every core launches its step, or the idle
-    step (`idle_plan`) when it has none. Idle rounds are IDLE_POLL_S apart; after a busy one the next
-    starts at once.
+    whether one has a step, whether one goes on, and whether one is aborting; then every core launches
+    its step, or the idle step (`idle_plan`) when it has none. Idle rounds are IDLE_POLL_S apart; after
+    a busy one the next starts at once.
+
+    A core closing gracefully keeps stepping until every core is closing (another core's last steps
+    still need its experts). A failed launch (any exception: the others may be inside a gather that
+    this core will never join) ends this core's thread: its queued and later launches fail with
+    RanksBroken, its engine stops, and its process's exit fails the other cores' collectives.
+    `close(abort=True)` (the core stopping on an error) makes every core's thread end at the next
+    round, each failing its launches with RanksBroken.
     """
 
     def __init__(self, group: Any, launch: Callable[[StepPlan, bool, bool], Any], idle: StepPlan) -> None:
         self.group, self._launch, self.idle = group, launch, idle
-        self.plans: queue.Queue[tuple[StepPlan, bool, bool, Future[Any]]] = queue.Queue()
-        self.closing = threading.Event()
-        self.failure: BaseException | None = None
+        self.plans: queue.Queue[Job] = queue.Queue()
+        self.lock = threading.Lock()  # queueing a job against the thread's end
+        self.closing, self.aborting = threading.Event(), threading.Event()
+        self.failure: str | None = None  # set once the thread has ended on a failure or an abort
         self.thread = threading.Thread(target=self._rounds, name="dsv4serve-lockstep", daemon=True)
         self.thread.start()
 
     def launch(self, plan: StepPlan, all_logits: bool, keep_logits: bool) -> Any:
         """Queue the step for the next round; returns its pending step once launched."""
-        if self.failure is not None:
-            raise RanksBroken(f"the cores fell out of step: {self.failure}")
         done: Future[Any] = Future()
-        self.plans.put((plan, all_logits, keep_logits, done))
+        with self.lock:
+            if self.failure is not None:
+                raise RanksBroken(self.failure)
+            self.plans.put((plan, all_logits, keep_logits, done))
         return done.result()
 
-    def close(self) -> None:
-        """Leave once every core is idle and closing (another core's last steps still get this one's)."""
+    def close(self, abort: bool = False) -> None:
+        """Leave: gracefully, once every core is idle and closing; with `abort`, at the next round."""
+        if abort:
+            self.aborting.set()
         self.closing.set()
         self.thread.join()
 
     def _rounds(self) -> None:
-        flags, busy = torch.zeros(2, dtype=torch.int64), True
+        flags, busy = torch.zeros(3, dtype=torch.int64), True
         while True:
             try:
                 job = self.plans.get(timeout=0 if busy else IDLE_POLL_S)
             except queue.Empty:
                 job = None
-            flags[0] = job is not None  # some core has a step (max)
-            flags[1] = job is not None or not self.closing.is_set()  # some core goes on (max)
+            flags[0] = job is not None  # some core has a step
+            flags[1] = job is not None or not self.closing.is_set()  # some core goes on
+            flags[2] = self.aborting.is_set()  # some core stops on an error
             try:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             except Exception as exc:  # a core is gone: nothing can step any more
-                self._fail(exc, job)
+                self._end(f"the cores fell out of step: {type(exc).__name__}: {exc}", job)
+                return
+            if flags[2]:
+                self._end("another data-parallel core stopped on an error", job)
                 return
             if not flags[1]:
+                self._end("the cores have stopped", job)
                 return
             busy = bool(flags[0])
-            if busy:
-                self._run(job)
+            if busy and not self._run(job):
+                return
 
-    def _run(self, job: tuple[StepPlan, bool, bool, Future[Any]] | None) -> None:
-        if job is None:
-            try:
-                self._launch(self.idle, False, False).wait()
-            except Exception as exc:
-                self.failure = exc
-            return
-        plan, all_logits, keep_logits, done = job
+    def _run(self, job: Job | None) -> bool:
+        """Launch the round's step; False (the thread ends, every core aborting next round) if it fails."""
+        plan, all_logits, keep_logits, done = job or (self.idle, False, False, None)
         try:
-            done.set_result(self._launch(plan, all_logits, keep_logits))
+            pending = self._launch(plan, all_logits, keep_logits)
+            if done is None:
+                pending.wait()
         except Exception as exc:
-            done.set_exception(exc)
+            message = f"step {plan.step} failed on this core: {type(exc).__name__}: {exc}"
+            if done is not None:
+                done.set_exception(RanksBroken(message))
+            self._end(message, None)  # this core's engine stops; its exit fails the others' collectives
+            return False
+        if done is not None:
+            done.set_result(pending)
+        return True
 
-    def _fail(self, exc: BaseException, job: tuple[StepPlan, bool, bool, Future[Any]] | None) -> None:
-        self.failure = exc
-        pending = [job] if job is not None else []
-        while not self.plans.empty():
-            pending.append(self.plans.get_nowait())
+    def _end(self, message: str, job: Job | None) -> None:
+        with self.lock:
+            self.failure = message
+            pending = [job] if job is not None else []
+            while not self.plans.empty():
+                pending.append(self.plans.get_nowait())
         for *_, done in pending:
-            done.set_exception(RanksBroken(f"the cores fell out of step: {type(exc).__name__}: {exc}"))
+            done.set_exception(RanksBroken(message))
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:

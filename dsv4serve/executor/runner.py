@@ -151,11 +151,33 @@ class ModelRunner:
         builds its own runner at its `place`; every rank holds its share."""
         cfg = config_from_dir(model_dir)
         ops = ops or select(engine.device)  # a device this machine lacks fails before any weight loads
-        followers, joined = None, Joined(Shard())
+        followers = None
         if engine.tensor_parallel_size * engine.data_parallel_size > 1:
             place = place or Place(0, 0, free_port())
             if place.tp_rank == 0 and engine.tensor_parallel_size > 1:
                 followers = Followers.start(str(model_dir), engine, place)
+            try:
+                self._load(cfg, model_dir, engine, sizes, ops, place, followers)
+            except BaseException:
+                if followers is not None:  # none of them may outlive a leader that failed to start
+                    followers.kill()
+                raise
+            return
+        self._load(cfg, model_dir, engine, sizes, ops, None, None)
+
+    def _load(
+        self,
+        cfg: ServedModelConfig,
+        model_dir: str | Path,
+        engine: EngineConfig,
+        sizes: PoolSizes | None,
+        ops: Backend,
+        place: Place | None,
+        followers: Followers | None,
+    ) -> None:
+        """Join the engine's ranks (at `place`, if several), load this rank's share and build on it."""
+        joined = Joined(Shard())
+        if place is not None:
             joined = join_group(engine, ops.collectives, place)
             engine = engine.with_(device=place.device(engine))
             if joined.leaders is not None:  # steps in lockstep with the other cores: no device graphs
@@ -282,10 +304,11 @@ class ModelRunner:
             self.followers.send(RankWriteLocs(tuple(locs)))
         write_cache_locs_batch(self.tables, locs)
 
-    def close(self) -> None:
-        """Stop stepping with the other cores, then the core's other ranks, if any."""
+    def close(self, abort: bool = False) -> None:
+        """Stop stepping with the other cores (`abort`: at once, the engine stopping on an error;
+        else once every core is done), then the core's other ranks, if any."""
         if self.lockstep is not None:
-            self.lockstep.close()
+            self.lockstep.close(abort)
             self.lockstep = None
         if self.followers is not None:
             self.followers.close()

@@ -146,7 +146,10 @@ class OpenAIApp:
             why = "echo: with logprobs (the prompt's logprobs) is not supported; echo alone is"
             raise HttpError(400, why, "invalid_request", "echo")
         answer = req.response_format
-        grammar = None if answer is None or answer.type == "text" else json_output(answer.schema(), False)
+        try:
+            grammar = None if answer is None or answer.type == "text" else json_output(answer.schema(), False)
+        except ChatError as err:
+            raise HttpError(400, str(err), "invalid_request", "response_format") from None
         echoes = [self._echo_text(prompt) for prompt in prompts for _ in range(req.n)] if req.echo else None
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
