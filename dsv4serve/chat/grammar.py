@@ -39,29 +39,29 @@ class GrammarCheck:
 
     def __call__(self, structured: StructuredOutput) -> None:
         """ValueError (naming the field) unless the grammar compiles."""
-        try:
-            if self._compiler is None:
-                import xgrammar as xgr
+        if self._compiler is None:
+            import xgrammar as xgr
 
+            try:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info)
-            if structured.kind == "json_schema":
-                self._compiler.compile_json_schema(structured.spec, max_whitespace_cnt=MAX_WHITESPACE)
-            else:
-                self._compiler.compile_structural_tag(structured.spec)
-        except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own types
-            raise ValueError(f"{structured.origin}: {type(exc).__name__}: {str(exc).strip()}") from None
+            except Exception as exc:
+                raise ValueError(f"{structured.origin}: this model's tokenizer: {exc}") from None
+            self._compiler = xgr.GrammarCompiler(info)
+        check(structured, self._compiler)
 
 
-def check(structured: StructuredOutput) -> None:
-    """ValueError (naming the field) unless xgrammar reads the grammar (no tokenizer at hand)."""
+def check(structured: StructuredOutput, compiler: Any = None) -> None:
+    """ValueError (naming the field) unless the grammar compiles with `compiler` (an xgrammar
+    GrammarCompiler), or, with none (no tokenizer at hand), unless xgrammar reads it."""
     import xgrammar as xgr
 
+    schema = compiler.compile_json_schema if compiler is not None else xgr.Grammar.from_json_schema
+    tag = compiler.compile_structural_tag if compiler is not None else xgr.Grammar.from_structural_tag
     try:
         if structured.kind == "json_schema":
-            xgr.Grammar.from_json_schema(structured.spec, max_whitespace_cnt=MAX_WHITESPACE)
+            schema(structured.spec, max_whitespace_cnt=MAX_WHITESPACE)
         else:
-            xgr.Grammar.from_structural_tag(structured.spec)
+            tag(structured.spec)
     except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own types
         raise ValueError(f"{structured.origin}: {type(exc).__name__}: {str(exc).strip()}") from None
 
