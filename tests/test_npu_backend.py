@@ -7,112 +7,26 @@ none of this has run on an Ascend NPU."""
 
 from __future__ import annotations
 
+import random
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
+from fake_torch_npu import install
 
 from dsv4serve.backends import reference, select
-from dsv4serve.backends.npu import NPU_OPS
+from dsv4serve.backends.npu import FAMILY_OPS, NPU_OPS
 from dsv4serve.layers.linear import Int8Weight, quantize_int8
 
 REFERENCE = reference.backend()
-
-# --- the fake torch_npu, written from the documented semantics ------------------------------------
-
-
-def fake_dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    assert x.dtype in (torch.float16, torch.bfloat16) and x.dim() > 1
-    scale = x.float().abs().amax(-1) / 127.0  # rowMax(|x|) / DTYPE_MAX, fp32
-    q = torch.round(x.float() / scale[..., None]).clamp(-128, 127).to(torch.int8)
-    return q, scale
-
-
-def fake_quant_matmul(x1, x2, scale, *, pertoken_scale=None, output_dtype=None):
-    assert x1.dtype == x2.dtype == torch.int8 and x1.dim() == x2.dim() == 2
-    assert x1.shape[1] == x2.shape[0] and scale.shape == (x2.shape[1],)
-    assert pertoken_scale is not None and pertoken_scale.dtype == torch.float32
-    assert pertoken_scale.shape == (x1.shape[0],)
-    # A2/A3 rows with a per-token scale: fp32/bf16 scale -> bf16, fp32 scale -> fp16
-    allowed = {torch.bfloat16: (torch.float32, torch.bfloat16), torch.float16: (torch.float32,)}
-    assert scale.dtype in allowed[output_dtype], (scale.dtype, output_dtype)
-    y = (x1.double() @ x2.double()) * scale.double() * pertoken_scale.double()[:, None]
-    return y.to(output_dtype)
-
-
-def fake_init_routing_v2(
-    x, expert_idx, *, active_num=-1, expert_num=-1, expert_tokens_num_type=0, expert_tokens_num_flag=False
-):
-    assert expert_idx.dtype == torch.int32 and expert_tokens_num_type == 1 and expert_tokens_num_flag
-    num_tokens, top_k = expert_idx.shape
-    assert active_num == num_tokens * top_k
-    flat = expert_idx.flatten().long()
-    order = torch.sort(flat, stable=True).indices  # flat ids t*K+k in expert order
-    expanded_x = x[order // top_k]
-    expanded_row_idx = torch.empty(num_tokens * top_k, dtype=torch.int32)
-    expanded_row_idx[order] = torch.arange(order.numel(), dtype=torch.int32)
-    counts = torch.bincount(flat, minlength=expert_num)
-    return expanded_x, expanded_row_idx, counts, None
-
-
-def fake_grouped_matmul(
-    x, weight, *, scale=None, per_token_scale=None, group_list=None, group_list_type=0,
-    group_type=-1, split_item=0, output_dtype=None,
-):  # fmt: skip
-    assert len(x) == len(weight) == 1 and group_type == 0 and split_item in (2, 3)
-    assert group_list_type == 1 and group_list.dtype == torch.int64
-    xs, w = x[0], weight[0]
-    assert xs.dim() == 2 and w.dim() == 3 and w.shape[1] == xs.shape[1]
-    assert int(group_list.sum()) == xs.shape[0] and group_list.shape == (w.shape[0],)
-    if xs.dtype == torch.int8:
-        out_dtype = output_dtype
-        assert {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}[out_dtype] == scale[0].dtype
-        assert per_token_scale[0].dtype == torch.float32
-    else:
-        out_dtype = xs.dtype if output_dtype is None else output_dtype
-        assert w.dtype == xs.dtype == out_dtype and scale is None
-    out, start = torch.zeros(xs.shape[0], w.shape[-1], dtype=out_dtype), 0
-    for e, count in enumerate(group_list.tolist()):
-        rows = xs[start : start + count]
-        if xs.dtype == torch.int8:
-            acc = rows.double() @ w[e].double()
-            y = acc * scale[0][e].double() * per_token_scale[0][start : start + count, None].double()
-        else:
-            y = rows.float() @ w[e].float()
-        out[start : start + count] = y.to(out_dtype)
-        start += count
-    return [out]
-
-
-def fake_token_unpermute(permuted_tokens, sorted_indices, probs=None):
-    num_tokens, top_k = probs.shape
-    assert sorted_indices.dtype == torch.int32 and sorted_indices.shape == (num_tokens * top_k,)
-    gathered = permuted_tokens[sorted_indices.long()].view(num_tokens, top_k, -1)  # (T, K, H)
-    return (gathered.float() * probs.float()[..., None]).sum(1).to(permuted_tokens.dtype)
 
 
 @pytest.fixture
 def fake_npu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Install the fake torch_npu; returns how often each op was called."""
-    calls: dict[str, int] = dict.fromkeys(NPU_OPS, 0)
-    impls = {
-        "npu_dynamic_quant": fake_dynamic_quant,
-        "npu_quant_matmul": fake_quant_matmul,
-        "npu_moe_init_routing_v2": fake_init_routing_v2,
-        "npu_grouped_matmul": fake_grouped_matmul,
-        "npu_moe_token_unpermute": fake_token_unpermute,
-    }
-    module = types.ModuleType("torch_npu")
-    for name, fn in impls.items():
-
-        def counted(*args, _name=name, _fn=fn, **kwargs):
-            calls[_name] += 1
-            return _fn(*args, **kwargs)
-
-        setattr(module, name, counted)
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-    return calls
+    return install(monkeypatch)
 
 
 # --- import guard ------------------------------------------------------------------------------
@@ -124,10 +38,74 @@ def test_npu_backend_without_torch_npu_says_which_extra_to_install(monkeypatch: 
         select("npu")
 
 
-def test_npu_backend_names_missing_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_torch_npu_without_our_ops_runs_the_reference_with_a_warning_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
-    with pytest.raises(RuntimeError, match="npu_quant_matmul"):
-        select("npu:0")
+    with pytest.warns(RuntimeWarning) as caught:
+        ops = select("npu:0")
+    assert len(caught) == len(FAMILY_OPS)
+    for family in FAMILY_OPS:
+        assert getattr(ops, family) is getattr(REFERENCE, family), family
+
+
+def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> None:
+    """The families the npu backend maps (the rest run the reference until they are built)."""
+    ops = select("npu")
+    mapped = {f for f in ("linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4", "mla")
+              if getattr(ops, f) is not getattr(REFERENCE, f)}  # fmt: skip
+    assert mapped == set(FAMILY_OPS) == {"linear", "rms_norm", "gating_top_k", "routed_experts"}
+
+
+@pytest.mark.parametrize("op", NPU_OPS)
+def test_a_missing_op_falls_back_with_one_warning_naming_it(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    install(monkeypatch, missing=(op,))
+    with pytest.warns(RuntimeWarning, match=op) as caught:
+        ops = select("npu")
+    needing = [f for f, names in FAMILY_OPS.items() if op in names]
+    assert len(caught) == len(needing)
+    for family in FAMILY_OPS:
+        assert (getattr(ops, family) is getattr(REFERENCE, family)) == (family in needing), family
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_reference(fake_npu: dict[str, int], dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 3, 64, generator=gen) * 4).to(dtype)
+    w = torch.rand(64, generator=gen) + 0.5  # fp32, as the engine keeps norms
+    got = select("npu").rms_norm(x, w, 1e-6)
+    assert got.dtype == dtype and torch.equal(got, REFERENCE.rms_norm(x, w, 1e-6))
+    assert fake_npu["npu_rms_norm"] == 1
+
+
+@pytest.mark.parametrize("state_mode", ["paged", "ring"])
+@pytest.mark.parametrize("missing", [(), ("npu_rms_norm",), ("npu_moe_gating_top_k",)])
+def test_greedy_run_through_the_npu_backend_is_the_references(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, state_mode: str, missing: tuple[str, ...]
+) -> None:
+    """A tiny DeepSeek-V4 in fp32 through the executor on the npu backend (the fake's ops on CPU tensors,
+    chunked prefills mixed with decodes): the reference backend's tokens; with an op missing, too."""
+    import warnings
+
+    from golden_harness import compare, engine_traces, random_chunker
+
+    from dsv4serve.config import EngineConfig
+    from dsv4serve.executor.runner import ModelRunner
+
+    calls = install(monkeypatch, missing)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(2, 129000) for _ in range(n)] for n in (3, 37)]
+    engine = EngineConfig(
+        dtype="float32", page_size=4, max_num_seqs=3, max_total_tokens=512, state_mode=state_mode
+    )
+    want = engine_traces(tiny_model_dir, prompts, 5, engine, chunk=random_chunker(2, 4, 11))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the missing op's, checked above
+        runner = ModelRunner(tiny_model_dir, engine, ops=select("npu"))
+    got = engine_traces(tiny_model_dir, prompts, 5, engine, chunk=random_chunker(2, 4, 11), runner=runner)
+    assert max(compare(w, g) for w, g in zip(want, got, strict=True)) <= 1e-5
+    for op in ("npu_rms_norm", "npu_moe_gating_top_k"):
+        assert (calls[op] > 0) == (op not in missing), op
 
 
 def test_cpu_backend_does_not_import_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:

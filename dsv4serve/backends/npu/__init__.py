@@ -1,5 +1,5 @@
 """The npu backend: torch_npu ops where a documented op has the contract (the W8A8 linear, the router,
-the routed experts), the reference elsewhere; plain transfers, no graphs yet. Written against the
+the routed experts, RMSNorm), the reference elsewhere; plain transfers, no graphs yet. Written against the
 documented torch_npu API and tested through a fake `torch_npu`: **never run on an Ascend NPU**.
 """
 
@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from dataclasses import replace
 from functools import partial
 from importlib import import_module
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -18,17 +20,26 @@ from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.linear import npu_linear
+from dsv4serve.backends.npu.norm import npu_rms_norm
 from dsv4serve.backends.npu.routing import npu_gating_top_k
 from dsv4serve.config import ConfigError
 
-# The documented torch_npu ops the npu backend calls (feature-checked: older builds lack some).
-NPU_OPS = (
-    "npu_dynamic_quant",
-    "npu_quant_matmul",
-    "npu_moe_init_routing_v2",
-    "npu_grouped_matmul",
-    "npu_moe_token_unpermute",
-)
+# Each op family the npu backend maps, with the torch_npu ops it needs (feature-checked at start-up:
+# builds differ by CANN version); a family whose ops are missing runs the reference, one warning
+# naming them. The others (DeepSeek-V4's attention, compressor, indexer, mHC, rope; GLM's MLA) run
+# the reference for now.
+FAMILY_OPS: dict[str, tuple[str, ...]] = {
+    "linear": ("npu_dynamic_quant", "npu_quant_matmul"),
+    "routed_experts": (
+        "npu_dynamic_quant",
+        "npu_moe_init_routing_v2",
+        "npu_grouped_matmul",
+        "npu_moe_token_unpermute",
+    ),
+    "gating_top_k": ("npu_moe_gating_top_k",),
+    "rms_norm": ("npu_rms_norm",),
+}
+NPU_OPS = tuple(dict.fromkeys(op for ops in FAMILY_OPS.values() for op in ops))
 
 
 def check_device(device: str) -> None:
@@ -37,32 +48,35 @@ def check_device(device: str) -> None:
 
 
 def load_torch_npu() -> ModuleType:
-    """Import torch_npu (only here, when the npu backend is chosen) and check it has our ops."""
+    """Import torch_npu (only here, when the npu backend is chosen)."""
     try:
-        npu = import_module("torch_npu")
+        return import_module("torch_npu")
     except ImportError as exc:
         raise RuntimeError(
             "the npu backend needs torch_npu, from the `npu` extra: pip install 'dsv4serve[npu]'"
         ) from exc
-    missing = [name for name in NPU_OPS if not hasattr(npu, name)]
-    if missing:
-        raise RuntimeError(f"the npu backend needs a torch_npu with {', '.join(missing)}")
-    return npu
 
 
 def backend(npu: ModuleType | None = None) -> Backend:
-    """The npu backend over `npu` (torch_npu, imported here when None)."""
+    """The npu backend over `npu` (torch_npu, imported here when None): each family on its Ascend ops
+    where this build has them, else on the reference (one warning naming the missing ops)."""
     npu = npu or load_torch_npu()
     reference = ref.backend()
-    return replace(
-        reference,
-        name="npu",
-        linear=partial(npu_linear, npu=npu),
-        routed_experts=partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
-        gating_top_k=partial(npu_gating_top_k, npu=npu, fallback=reference.gating_top_k),
-        transfers=NpuTransfers(npu),
-        collectives="hccl",
-    )
+    ascend = {
+        "linear": partial(npu_linear, npu=npu),
+        "routed_experts": partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
+        "gating_top_k": partial(npu_gating_top_k, npu=npu, fallback=reference.gating_top_k),
+        "rms_norm": partial(npu_rms_norm, npu=npu),
+    }
+    families: dict[str, Any] = {}
+    for family, ops in FAMILY_OPS.items():
+        missing = [op for op in ops if not hasattr(npu, op)]
+        if missing:
+            why = f"npu backend: this torch_npu lacks {', '.join(missing)}: {family} runs the reference"
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
+            continue
+        families[family] = ascend[family]
+    return replace(reference, name="npu", transfers=NpuTransfers(npu), collectives="hccl", **families)
 
 
 class NpuTransfers(ref.PlainTransfers):

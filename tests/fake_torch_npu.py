@@ -1,0 +1,126 @@
+"""A fake `torch_npu` for tests without Ascend hardware: each function implements an op's documented
+semantics in plain PyTorch (torch_npu's op-plugin docs; ../reference notes copied into the docstrings
+where a convention is easy to get wrong), written from the docs, not from the engine's reference ops.
+It checks the wrappers' plumbing (layouts, dtypes, index bookkeeping), not the real kernels: nothing
+here has run on an Ascend NPU."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from test_npu_routing import fake_gating_top_k
+
+
+def fake_dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    assert x.dtype in (torch.float16, torch.bfloat16) and x.dim() > 1
+    scale = x.float().abs().amax(-1) / 127.0  # rowMax(|x|) / DTYPE_MAX, fp32
+    q = torch.round(x.float() / scale[..., None]).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def fake_quant_matmul(x1, x2, scale, *, pertoken_scale=None, output_dtype=None):
+    assert x1.dtype == x2.dtype == torch.int8 and x1.dim() == x2.dim() == 2
+    assert x1.shape[1] == x2.shape[0] and scale.shape == (x2.shape[1],)
+    assert pertoken_scale is not None and pertoken_scale.dtype == torch.float32
+    assert pertoken_scale.shape == (x1.shape[0],)
+    # A2/A3 rows with a per-token scale: fp32/bf16 scale -> bf16, fp32 scale -> fp16
+    allowed = {torch.bfloat16: (torch.float32, torch.bfloat16), torch.float16: (torch.float32,)}
+    assert scale.dtype in allowed[output_dtype], (scale.dtype, output_dtype)
+    y = (x1.double() @ x2.double()) * scale.double() * pertoken_scale.double()[:, None]
+    return y.to(output_dtype)
+
+
+def fake_init_routing_v2(
+    x, expert_idx, *, active_num=-1, expert_num=-1, expert_tokens_num_type=0, expert_tokens_num_flag=False
+):
+    assert expert_idx.dtype == torch.int32 and expert_tokens_num_type == 1 and expert_tokens_num_flag
+    num_tokens, top_k = expert_idx.shape
+    assert active_num == num_tokens * top_k
+    flat = expert_idx.flatten().long()
+    order = torch.sort(flat, stable=True).indices  # flat ids t*K+k in expert order
+    expanded_x = x[order // top_k]
+    expanded_row_idx = torch.empty(num_tokens * top_k, dtype=torch.int32)
+    expanded_row_idx[order] = torch.arange(order.numel(), dtype=torch.int32)
+    counts = torch.bincount(flat, minlength=expert_num)
+    return expanded_x, expanded_row_idx, counts, None
+
+
+def fake_grouped_matmul(
+    x, weight, *, scale=None, per_token_scale=None, group_list=None, group_list_type=0,
+    group_type=-1, split_item=0, output_dtype=None,
+):  # fmt: skip
+    assert len(x) == len(weight) == 1 and group_type == 0 and split_item in (2, 3)
+    assert group_list_type == 1 and group_list.dtype == torch.int64
+    xs, w = x[0], weight[0]
+    assert xs.dim() == 2 and w.dim() == 3 and w.shape[1] == xs.shape[1]
+    assert int(group_list.sum()) == xs.shape[0] and group_list.shape == (w.shape[0],)
+    if xs.dtype == torch.int8:
+        out_dtype = output_dtype
+        assert {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}[out_dtype] == scale[0].dtype
+        assert per_token_scale[0].dtype == torch.float32
+    else:
+        out_dtype = xs.dtype if output_dtype is None else output_dtype
+        assert w.dtype == xs.dtype == out_dtype and scale is None
+    out, start = torch.zeros(xs.shape[0], w.shape[-1], dtype=out_dtype), 0
+    for e, count in enumerate(group_list.tolist()):
+        rows = xs[start : start + count]
+        if xs.dtype == torch.int8:
+            acc = rows.double() @ w[e].double()
+            y = acc * scale[0][e].double() * per_token_scale[0][start : start + count, None].double()
+        else:
+            y = rows.float() @ w[e].float()
+        out[start : start + count] = y.to(out_dtype)
+        start += count
+    return [out]
+
+
+def fake_token_unpermute(permuted_tokens, sorted_indices, probs=None):
+    num_tokens, top_k = probs.shape
+    assert sorted_indices.dtype == torch.int32 and sorted_indices.shape == (num_tokens * top_k,)
+    gathered = permuted_tokens[sorted_indices.long()].view(num_tokens, top_k, -1)  # (T, K, H)
+    return (gathered.float() * probs.float()[..., None]).sum(1).to(permuted_tokens.dtype)
+
+
+def fake_rms_norm(
+    x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = x / rms(x) * gamma with fp32 statistics and gamma applied in fp32 before the cast back
+    (op-plugin doc `torch_npu-npu_rms_norm.md`); returns (y, rstd)."""
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert gamma.dtype in (x.dtype, torch.float32) and gamma.shape == x.shape[-gamma.dim() :]
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + epsilon)
+    return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+
+FAKES = {
+    "npu_dynamic_quant": fake_dynamic_quant,
+    "npu_quant_matmul": fake_quant_matmul,
+    "npu_moe_init_routing_v2": fake_init_routing_v2,
+    "npu_grouped_matmul": fake_grouped_matmul,
+    "npu_moe_token_unpermute": fake_token_unpermute,
+    "npu_moe_gating_top_k": fake_gating_top_k,
+    "npu_rms_norm": fake_rms_norm,
+}
+
+
+def install(monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = ()) -> dict[str, int]:
+    """Install the fake as `torch_npu` (without the ops `missing` names); returns how often each op
+    was called."""
+    calls: dict[str, int] = dict.fromkeys(FAKES, 0)
+    module = types.ModuleType("torch_npu")
+    for name, fn in FAKES.items():
+        if name in missing:
+            continue
+
+        def counted(*args, _name=name, _fn=fn, **kwargs):  # type: ignore[no-untyped-def]
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+
+        setattr(module, name, counted)
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    return calls
