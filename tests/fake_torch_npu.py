@@ -97,6 +97,35 @@ def fake_rms_norm(
     return (xf * rstd * gamma.float()).to(x.dtype), rstd
 
 
+def _rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    a, b = x[..., ::2], x[..., 1::2]
+    return torch.stack((-b, a), -1).flatten(-2)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+def fake_rotary_mul(
+    x: torch.Tensor,
+    r1: torch.Tensor,
+    r2: torch.Tensor,
+    rotary_mode: str = "half",
+    rotate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x * cos + rot(x) * sin, cos / sin (r1 / r2) at full width broadcast over x, the output in x's
+    layout; "interleave" rotates pairs (x[2i], x[2i+1]) and restricts cos / sin to one broadcast head
+    (op-plugin doc `torch_npu-npu_rotary_mul.md`)."""
+    assert x.dim() in (3, 4) and x.shape[-1] % 2 == 0 and x.shape[-1] < 896 and rotate is None
+    assert r1.shape == r2.shape and r1.dim() == x.dim() and r1.shape[-1] == x.shape[-1]
+    assert r1.dtype == r2.dtype == x.dtype
+    if rotary_mode == "interleave":
+        assert r1.shape[-2] == 1  # one head broadcast (the 1S1D-style forms)
+    rotated = _rotate_interleaved(x) if rotary_mode == "interleave" else _rotate_half(x)
+    return x * r1 + rotated * r2
+
+
 FAKES = {
     "npu_dynamic_quant": fake_dynamic_quant,
     "npu_quant_matmul": fake_quant_matmul,
@@ -105,6 +134,7 @@ FAKES = {
     "npu_moe_token_unpermute": fake_token_unpermute,
     "npu_moe_gating_top_k": fake_gating_top_k,
     "npu_rms_norm": fake_rms_norm,
+    "npu_rotary_mul": fake_rotary_mul,
 }
 
 

@@ -7,10 +7,12 @@ none of this has run on an Ascend NPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,15 +48,25 @@ def test_a_torch_npu_without_our_ops_runs_the_reference_with_a_warning_each(
         ops = select("npu:0")
     assert len(caught) == len(FAMILY_OPS)
     for family in FAMILY_OPS:
-        assert getattr(ops, family) is getattr(REFERENCE, family), family
+        assert _family(ops, family) is _family(REFERENCE, family), family
+
+
+def _family(ops: Any, name: str) -> Any:
+    """An op family by its FAMILY_OPS name (`rms_norm`, `dsv4.rope`)."""
+    for part in name.split("."):
+        ops = getattr(ops, part)
+    return ops
 
 
 def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> None:
     """The families the npu backend maps (the rest run the reference until they are built)."""
     ops = select("npu")
-    mapped = {f for f in ("linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4", "mla")
-              if getattr(ops, f) is not getattr(REFERENCE, f)}  # fmt: skip
-    assert mapped == set(FAMILY_OPS) == {"linear", "rms_norm", "gating_top_k", "routed_experts"}
+    names = ["linear", "rms_norm", "gating_top_k", "routed_experts", "mla"]
+    names += [f"dsv4.{f.name}" for f in dataclasses.fields(REFERENCE.dsv4)]
+    mapped = {f for f in names if _family(ops, f) is not _family(REFERENCE, f)}
+    assert mapped == set(FAMILY_OPS)
+    assert mapped == {"linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4.rope", "dsv4.q_norm_rope",
+                      "dsv4.kv_norm_rope_store"}  # fmt: skip
 
 
 @pytest.mark.parametrize("op", NPU_OPS)
@@ -65,7 +77,7 @@ def test_a_missing_op_falls_back_with_one_warning_naming_it(monkeypatch: pytest.
     needing = [f for f, names in FAMILY_OPS.items() if op in names]
     assert len(caught) == len(needing)
     for family in FAMILY_OPS:
-        assert (getattr(ops, family) is getattr(REFERENCE, family)) == (family in needing), family
+        assert (_family(ops, family) is _family(REFERENCE, family)) == (family in needing), family
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,7 +91,7 @@ def test_rms_norm_is_the_reference(fake_npu: dict[str, int], dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("state_mode", ["paged", "ring"])
-@pytest.mark.parametrize("missing", [(), ("npu_rms_norm",), ("npu_moe_gating_top_k",)])
+@pytest.mark.parametrize("missing", [(), ("npu_rms_norm",), ("npu_moe_gating_top_k",), ("npu_rotary_mul",)])
 def test_greedy_run_through_the_npu_backend_is_the_references(
     monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, state_mode: str, missing: tuple[str, ...]
 ) -> None:
@@ -104,7 +116,7 @@ def test_greedy_run_through_the_npu_backend_is_the_references(
         runner = ModelRunner(tiny_model_dir, engine, ops=select("npu"))
     got = engine_traces(tiny_model_dir, prompts, 5, engine, chunk=random_chunker(2, 4, 11), runner=runner)
     assert max(compare(w, g) for w, g in zip(want, got, strict=True)) <= 1e-5
-    for op in ("npu_rms_norm", "npu_moe_gating_top_k"):
+    for op in ("npu_rms_norm", "npu_moe_gating_top_k", "npu_rotary_mul"):
         assert (calls[op] > 0) == (op not in missing), op
 
 

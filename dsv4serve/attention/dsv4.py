@@ -35,12 +35,17 @@ def q_norm_rope(q: torch.Tensor, meta: StepMeta, compress: bool, eps: float) -> 
     return rope(core.unweighted_rms_norm(q, eps), meta, compress)
 
 
+def swa_slots(meta: StepMeta) -> torch.Tensor:
+    """(T,) the SWA slot each token's K=V row is written to."""
+    return _geometry(meta).swa_write
+
+
 def kv_norm_rope_store(
     kv: torch.Tensor, weight: torch.Tensor, swa: torch.Tensor, meta: StepMeta, compress: bool, eps: float
 ) -> None:
     """RMSNorm, rope, then write each token's K=V row into its SWA slot. kv: (T, D); swa: (slots, D)."""
     normed = rope(core.rms_norm(kv, weight, eps), meta, compress)
-    swa.index_copy_(0, _geometry(meta).swa_write, normed.to(swa.dtype))
+    swa.index_copy_(0, swa_slots(meta), normed.to(swa.dtype))
 
 
 def compressor(

@@ -21,6 +21,7 @@ from dsv4serve.backends import reference as ref
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.linear import npu_linear
 from dsv4serve.backends.npu.norm import npu_rms_norm
+from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
 from dsv4serve.config import ConfigError
 
@@ -38,6 +39,9 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     ),
     "gating_top_k": ("npu_moe_gating_top_k",),
     "rms_norm": ("npu_rms_norm",),
+    "dsv4.rope": ("npu_rotary_mul",),
+    "dsv4.q_norm_rope": ("npu_rotary_mul",),
+    "dsv4.kv_norm_rope_store": ("npu_rms_norm", "npu_rotary_mul"),
 }
 NPU_OPS = tuple(dict.fromkeys(op for ops in FAMILY_OPS.values() for op in ops))
 
@@ -67,6 +71,9 @@ def backend(npu: ModuleType | None = None) -> Backend:
         "routed_experts": partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
         "gating_top_k": partial(npu_gating_top_k, npu=npu, fallback=reference.gating_top_k),
         "rms_norm": partial(npu_rms_norm, npu=npu),
+        "dsv4.rope": partial(npu_rope, npu=npu),
+        "dsv4.q_norm_rope": partial(npu_q_norm_rope, npu=npu),
+        "dsv4.kv_norm_rope_store": partial(npu_kv_norm_rope_store, npu=npu),
     }
     families: dict[str, Any] = {}
     for family, ops in FAMILY_OPS.items():
@@ -76,7 +83,16 @@ def backend(npu: ModuleType | None = None) -> Backend:
             warnings.warn(why, RuntimeWarning, stacklevel=2)
             continue
         families[family] = ascend[family]
-    return replace(reference, name="npu", transfers=NpuTransfers(npu), collectives="hccl", **families)
+    dsv4 = {name.removeprefix("dsv4."): op for name, op in families.items() if name.startswith("dsv4.")}
+    top = {name: op for name, op in families.items() if not name.startswith("dsv4.")}
+    return replace(
+        reference,
+        name="npu",
+        dsv4=replace(reference.dsv4, **dsv4),
+        transfers=NpuTransfers(npu),
+        collectives="hccl",
+        **top,
+    )
 
 
 class NpuTransfers(ref.PlainTransfers):
