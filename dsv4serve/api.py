@@ -18,7 +18,7 @@ from typing import Any, Self, TypeVar
 import trio
 
 from dsv4serve import logs, protocol
-from dsv4serve.actors.core_process import run_engine
+from dsv4serve.actors.front import run_engine
 from dsv4serve.actors.system import EngineHandle, SystemOptions
 from dsv4serve.config import EngineConfig
 from dsv4serve.params import (

@@ -22,7 +22,7 @@ import structlog
 import trio
 
 from dsv4serve import protocol
-from dsv4serve.actors.core_process import run_engine
+from dsv4serve.actors.front import run_engine
 from dsv4serve.actors.system import EngineHandle, SystemOptions, is_core_death
 from dsv4serve.protocol import ErrorEvent, Event, RequestError
 

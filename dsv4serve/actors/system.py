@@ -306,7 +306,7 @@ async def run_system(
     options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Load the model (in a worker thread), then run the actors in this process; returns after drain
-    or shutdown. (`core_process.run_engine` is the entry that honours `options.core_process`.)"""
+    or shutdown. (`front.run_engine` is the entry that honours `options.core_process`.)"""
     log = structlog.get_logger().bind(actor="system")
     runner, tok = await trio.to_thread.run_sync(load_model, options)
     try:

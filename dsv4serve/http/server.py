@@ -21,7 +21,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from dsv4serve.actors.core_process import run_engine
+from dsv4serve.actors.front import run_engine
 from dsv4serve.actors.system import EngineHandle, SystemOptions, is_core_death
 from dsv4serve.http.app import MAX_BODY_BYTES, AppOptions, OpenAIApp
 from dsv4serve.models.registry import spec_for

@@ -1,0 +1,307 @@
+"""The front process of an engine whose core runs apart (`SystemOptions.core_process`): it starts the
+engine-core processes (`core_process.py`; one, or one per data-parallel rank), then runs the handle and
+the tokenizer against them over their sockets. `run_engine` is every front door's entry: it runs the
+engine in this process, or so.
+
+Several cores: a new request goes to the core with the fewest live tokens (`Router`); its cancels and
+stop hits follow it; a drain goes to every core, and the tokenizer sees one Drain once all drained; the
+gauges and pools are the cores' sums. A core that dies (its socket ends before its Drain) fails every
+live request and stops the engine (`EngineHandle.core_died`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+import trio
+
+from dsv4serve import logs
+from dsv4serve.actors.core_process import EXIT_WAIT_S, CoreOptions, Frames, take_waiting
+from dsv4serve.actors.scheduler import SchedulerGauges
+from dsv4serve.actors.system import (
+    EngineCoreDied,
+    EngineHandle,
+    FrontParts,
+    SystemOptions,
+    run_front_actors,
+    run_system,
+)
+from dsv4serve.actors.tokenizer_core import encode_prompt, load_tokenizer, max_token_chars
+from dsv4serve.executor.ranks import free_port
+from dsv4serve.models.registry import config_from_dir, spec_for
+from dsv4serve.protocol import (
+    CoreReady,
+    CoreStatus,
+    CoreToFront,
+    Drain,
+    FailRequest,
+    FrontToCore,
+    Outputs,
+    SchedulerMsg,
+    Tokenized,
+    TokenizerMsg,
+)
+
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+async def run_engine(
+    options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The engine every front door runs: in this process, or (`options.core_process`) with its core in
+    a process of its own; returns after drain or shutdown."""
+    if options.core_process:
+        await run_front(options, task_status=task_status)
+    else:
+        await run_system(options, task_status=task_status)
+
+
+@dataclass(eq=False)
+class _Core:
+    """One engine-core process as the front holds it."""
+
+    process: trio.Process
+    frames: Frames
+    ready: CoreReady | None = None
+    status: CoreStatus | None = None
+    drained: bool = False
+
+
+@dataclass(eq=False)
+class Router:
+    """Which core holds each live request: a new one goes to the core with the fewest live tokens
+    (prompt and output so far); cancels and stop hits follow their request; a drain goes to every core."""
+
+    num_cores: int
+    core_of: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    load: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.load = [0] * self.num_cores
+
+    def route(self, msg: FrontToCore) -> list[int]:
+        """The cores `msg` goes to (none: its request has ended)."""
+        if isinstance(msg, Drain):
+            return list(range(self.num_cores))
+        if isinstance(msg, Tokenized):
+            core = min(range(self.num_cores), key=lambda c: (self.load[c], c))
+            self.core_of[msg.rid], self.tokens[msg.rid] = core, len(msg.prompt_token_ids)
+            self.load[core] += len(msg.prompt_token_ids)
+            return [core]
+        core_of = self.core_of.get(msg.rid)
+        return [] if core_of is None else [core_of]
+
+    def saw(self, msg: CoreToFront) -> None:
+        """A core's report: its requests' new tokens and ends."""
+        for item in msg.items if isinstance(msg, Outputs) else ():
+            core = self.core_of.get(item.rid)
+            if core is None:
+                continue
+            if isinstance(item, FailRequest) or item.finish_reason is not None:
+                self.load[core] -= self.tokens.pop(item.rid)
+                del self.core_of[item.rid]
+            else:
+                self.load[core] += len(item.token_ids)
+                self.tokens[item.rid] += len(item.token_ids)
+
+
+async def run_front(
+    options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Start the engine-core processes (one, or one per data-parallel rank), then run the handle and
+    the tokenizer against them."""
+    if options.prebuilt is not None:
+        raise ValueError("core_process: a prebuilt model cannot cross into the engine-core process")
+    log = structlog.get_logger().bind(actor="system")
+    model = config_from_dir(options.model_dir)
+    bos = spec_for(model.model_type).prompt_bos
+    tok = await trio.to_thread.run_sync(lambda: load_tokenizer(options.model_dir, require_bos=bos))
+    num = options.engine.data_parallel_size
+    port = free_port() if num > 1 else None
+    cores: list[_Core] = []
+    try:
+        for dp_rank in range(num):
+            cores.append(await _start_core(options, dp_rank, port))
+        ready = await _ready(cores)
+        log.info(
+            "loaded",
+            model_dir=str(options.model_dir),
+            core_pid=ready[0].pid,
+            core_pids=[r.pid for r in ready],
+        )
+        parts = FrontParts(
+            model=model,
+            encode=lambda text: encode_prompt(tok, text, prepend_bos=bos),
+            decoder=tok,
+            max_model_len=min(r.max_model_len for r in ready),
+            max_token_chars=max_token_chars(tok),
+            weight_bytes=_summed([r.weight_bytes for r in ready]),
+        )
+        gauges_box: list[SchedulerGauges] = []
+        router = Router(num)
+
+        def start_bridge(
+            nursery: trio.Nursery,
+            *,
+            scheduler: tuple[trio.MemorySendChannel[SchedulerMsg], trio.MemoryReceiveChannel[SchedulerMsg]],
+            tokenizer: trio.MemorySendChannel[TokenizerMsg],
+            gauges: SchedulerGauges,
+            handle: EngineHandle,
+        ) -> None:
+            to_core, core_outbox = scheduler
+            to_core.close()  # the tokenizer holds its own clone
+            gauges_box.append(gauges)
+            nursery.start_soon(_write_to_cores, core_outbox, cores, router)
+            for core in cores:
+                nursery.start_soon(
+                    _read_from_core, core, cores, router, tokenizer.clone(), gauges_box, handle
+                )
+            tokenizer.close()
+
+        await run_front_actors(parts, lambda: _pools(cores), options, start_bridge, task_status=task_status)
+    finally:
+        with trio.CancelScope(shield=True):
+            for core in cores:
+                await core.frames.stream.aclose()
+            for core in cores:
+                with trio.move_on_after(EXIT_WAIT_S):
+                    await core.process.wait()
+                if core.process.returncode is None:
+                    log.error("core_killed", reason=f"still running {EXIT_WAIT_S} s after its socket closed")
+                    core.process.kill()
+                    await core.process.wait()
+
+
+async def _ready(cores: list[_Core]) -> list[CoreReady]:
+    """Each core's first frame: its CoreReady (and status); EngineCoreDied if one exits first."""
+    for core in cores:
+        first = await core.frames.receive()
+        if not first or not isinstance(first[0], CoreReady):
+            code = await core.process.wait()
+            raise EngineCoreDied(f"the engine-core process exited with code {code} before it was ready")
+        core.ready = first[0]
+        _apply(first[1:], core, cores, [])
+    return [c.ready for c in cores if c.ready is not None]
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+async def _start_core(options: SystemOptions, dp_rank: int, port: int | None) -> _Core:
+    front_sock, core_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    core_options = CoreOptions(
+        model_dir=str(options.model_dir),
+        engine=asdict(options.engine),
+        max_waiting=options.max_waiting,
+        max_inflight_steps=options.max_inflight_steps,
+        log_level=logs.current_level(),
+        dp_rank=dp_rank,
+        port=port,
+    )
+    argv = [sys.executable, "-m", "dsv4serve.actors.core_process", str(core_sock.fileno())]
+    with core_sock:
+        process = await trio.lowlevel.open_process(
+            [*argv, msgspec.json.encode(core_options).decode()],
+            pass_fds=(core_sock.fileno(),),
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr.fileno(),  # stdout may be the stdio front door's protocol stream
+            start_new_session=True,  # a terminal's Ctrl-C reaches the front only
+        )
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(front_sock))
+    return _Core(process, Frames(stream, CoreToFront))
+
+
+def _pools(cores: list[_Core]) -> dict[str, tuple[int, int]]:
+    """Every core's pools, summed: (used, capacity) slots by pool."""
+    out: dict[str, tuple[int, int]] = {}
+    for core in cores:
+        for name, (used, capacity) in (core.status.pools if core.status else {}).items():
+            was = out.get(name, (0, 0))
+            out[name] = (was[0] + used, was[1] + capacity)
+    return out
+
+
+async def _write_to_cores(
+    outbox: trio.MemoryReceiveChannel[SchedulerMsg], cores: list[_Core], router: Router
+) -> None:
+    async with outbox:
+        while (messages := await take_waiting(outbox)) is not None:
+            batches: list[list[Any]] = [[] for _ in cores]
+            for msg in messages:
+                for c in router.route(msg):
+                    batches[c].append(msg)
+            for core, batch in zip(cores, batches, strict=True):
+                if batch:
+                    with contextlib.suppress(*_GONE, OSError):  # the core died: its reader says so
+                        await core.frames.send(batch)
+    for core in cores:
+        with contextlib.suppress(*_GONE, OSError):
+            await core.frames.stream.send_eof()  # type: ignore[attr-defined]
+
+
+async def _read_from_core(
+    core: _Core,
+    cores: list[_Core],
+    router: Router,
+    tokenizer: trio.MemorySendChannel[TokenizerMsg],
+    gauges_box: list[SchedulerGauges],
+    handle: EngineHandle,
+) -> None:
+    """A core's messages into the tokenizer, its status into the gauges; the Drain goes on once every
+    core has drained. If its stream ends before its Drain did, the core died: every live request errs
+    and the front stops."""
+    async with tokenizer:
+        while (messages := await core.frames.receive()) is not None:
+            for msg in messages:
+                router.saw(msg)
+            for msg in _apply(messages, core, cores, gauges_box):
+                if isinstance(msg, Drain):
+                    core.drained = True
+                    if not all(c.drained for c in cores):
+                        continue
+                with contextlib.suppress(*_GONE):  # the tokenizer ended (shutdown): nothing reads
+                    await tokenizer.send(msg)
+    if core.drained:
+        return
+    with trio.move_on_after(1.0):
+        await core.process.wait()
+    code = core.process.returncode
+    message = f"the engine-core process died (exit code {code}) before the request finished"
+    structlog.get_logger().bind(actor="system").error("engine_core_died", exit_code=code)
+    handle.core_died(message)
+
+
+def _apply(
+    messages: list[CoreToFront], core: _Core, cores: list[_Core], gauges_box: list[SchedulerGauges]
+) -> list[TokenizerMsg]:
+    """Take the CoreStatus messages into the core's status and the gauges (every core's summed);
+    return the others, in order."""
+    out: list[TokenizerMsg] = []
+    for msg in messages:
+        if isinstance(msg, CoreStatus):
+            core.status = msg
+            statuses = [c.status for c in cores if c.status is not None]
+            for gauges in gauges_box:
+                gauges.running = sum(s.running for s in statuses)
+                gauges.waiting = sum(s.waiting for s in statuses)
+                gauges.num_steps = max(s.num_steps for s in statuses)
+                gauges.num_preemptions = sum(s.num_preemptions for s in statuses)
+                generated = sum(s.num_generated for s in statuses)
+                if generated > gauges.num_generated:
+                    gauges.add_tokens(trio.current_time(), generated - gauges.num_generated)
+        elif not isinstance(msg, CoreReady):
+            out.append(msg)
+    return out
