@@ -74,7 +74,9 @@ class LogitProcessing:
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
         structured = [(k, i) for k, (_, i) in enumerate(chosen) if i.sampling.structured is not None]
-        allowed = self.grammars.fill([i for _, i in structured])  # host work, the device busy meanwhile
+        allowed = torch.zeros(0, 0, dtype=torch.int32)  # no grammar: no mask (and no xgrammar work)
+        if structured:
+            allowed = self.grammars.fill([i for _, i in structured])  # host work, the device busy meanwhile
         specs = [i.sampling for _, i in chosen]
         return Prepared(
             index=put([j for j, _ in chosen], torch.int64),
