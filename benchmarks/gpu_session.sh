@@ -12,6 +12,11 @@
 #   native - issue 27's kernels: the FP8 / MXFP4 / int8 kernel tests on CUDA, bench_experts.py,
 #            bench_fp8.py, then bench_decode.py --weights for each of $WEIGHTS (default: official)
 #            ($OUT/{experts,fp8,<weights>}.json)
+#   front  - issue 29: the processed-logits golden test on CUDA (graphs on), bench_serving.py
+#            (--skip-single; $OUT/serving.json), then bench_kv_sizing.py ($OUT/kv_sizing.json)
+#   before - issue 30's single-GPU check: bench_decode.py on this tree and on the tree in $BASE (an
+#            ignored `git archive` of the commit before multi-device, carried), same flags, same machine
+#            ($OUT/{head,base}.json)
 #   all    - bench, then kernels
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -60,6 +65,24 @@ native)
         timeout 280 python3 benchmarks/bench_decode.py --weights "$w" --out "$OUT/$w.json" "$@" \
             2> "$OUT/$w.err" | tee "$OUT/$w.stdout" | cut -c1-400
         tail -3 "$OUT/$w.err"
+    done
+    ;;
+front)
+    DSV4SERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_golden_engine.py \
+        -k processed 2>&1 | tail -4
+    timeout 360 python3 benchmarks/bench_serving.py --skip-single --out "$OUT/serving.json" 2> "$OUT/serving.err" \
+        | tail -c 2500
+    grep -E "embedded|http|failed|Error" "$OUT/serving.err" | tail -8 | cut -c1-400
+    timeout 100 python3 benchmarks/bench_kv_sizing.py --out "$OUT/kv_sizing.json" 2> "$OUT/kv.err" | tail -c 1500
+    tail -3 "$OUT/kv.err"
+    ;;
+before)
+    shift
+    for tree in head base head base; do
+        dir=$PWD; [ "$tree" = base ] && dir=$PWD/${BASE:-.base55}
+        (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 200 python3 benchmarks/bench_decode.py --out "$OUT/$tree.$RANDOM.json" \
+            "$@" 2> "$OUT/$tree.err" | tail -c 600)
+        echo "== $tree rc=$?"; tail -2 "$OUT/$tree.err"
     done
     ;;
 all)

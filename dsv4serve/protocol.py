@@ -637,6 +637,9 @@ class StepItem(msgspec.Struct, frozen=True, kw_only=True):
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     items: tuple[StepItem, ...]
+    # with the experts spread over the data-parallel cores: every core's tokens this round, in core
+    # order (set by the cores' lockstep; the MoE layers' gathers and reduce-scatters are sized by it)
+    cores_tokens: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

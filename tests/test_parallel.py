@@ -261,3 +261,42 @@ def test_plan_counts_what_a_rank_loads(tiny_model_dir: Path) -> None:
             assert params == sum(w.numel() for w in share.values())  # type: ignore[union-attr]
         whole = sum(w.numel() for w in load_weights(tiny_model_dir, spec, cfg, dtype=torch.float32).values())  # type: ignore[union-attr]
         assert params < whole
+
+
+def _exchange_rank(rank: int, tp: int, dp: int, port: int, cores_tokens: tuple[int, ...]) -> None:
+    """One rank of `test_the_cores_exchange_gathers_and_reduce_scatters`: its own core's tokens and
+    its own experts' outputs (seeded by core and by rank) through `CoresExchange`, against the sums."""
+    import torch.distributed as dist
+
+    from dsv4serve.executor.ranks import CoresExchange
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * dp)
+    core, t = divmod(rank, tp)
+    cores = [dist.new_group([d * tp + i for i in range(tp)]) for d in range(dp)]
+    across = [dist.new_group([d * tp + i for d in range(dp)]) for i in range(tp)]
+    exchange = CoresExchange(across[t], cores[core], core, tp)
+    tokens = [
+        torch.randn(k, 3, generator=torch.Generator().manual_seed(d)) for d, k in enumerate(cores_tokens)
+    ]
+    (every,) = exchange.gather(cores_tokens, tokens[core])
+    assert torch.equal(every, torch.cat(tokens))
+    partials = [
+        torch.randn(sum(cores_tokens), 3, generator=torch.Generator().manual_seed(100 + r))
+        for r in range(tp * dp)
+    ]
+    start = sum(cores_tokens[:core])
+    want = torch.stack(partials).sum(0)[start : start + cores_tokens[core]]
+    torch.testing.assert_close(exchange.combine(partials[rank], cores_tokens), want)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("tp", "cores_tokens"), [(1, (5, 2)), (2, (3, 6)), (2, (1, 1))])
+def test_the_cores_exchange_gathers_and_reduce_scatters(tp: int, cores_tokens: tuple[int, ...]) -> None:
+    """Data-parallel cores with their experts spread over every rank: each core's tokens reach every
+    rank in core order, and each rank gets back its own core's rows of every rank's experts' outputs
+    summed (uneven cores, a core's rows not splitting evenly over its tensor-parallel ranks)."""
+    import torch.multiprocessing as mp
+
+    from dsv4serve.executor.ranks import free_port
+
+    mp.spawn(_exchange_rank, args=(tp, len(cores_tokens), free_port(), cores_tokens), nprocs=tp * 2)

@@ -35,6 +35,9 @@ class ForwardBatch:
     # host-known (first token, tokens, seq_len) of each request of an eager step; None in a captured
     # step (its inputs change from replay to replay)
     spans: tuple[tuple[int, int, int], ...] | None = None
+    # every data-parallel core's tokens this step (StepPlan.cores_tokens), when the MoE layers gather
+    # them; empty otherwise
+    cores_tokens: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

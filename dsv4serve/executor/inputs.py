@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,7 +99,7 @@ class StepLayout:
         """The batch and sampling rows over a (device) word buffer of this layout; `spans`: an eager
         step's host-known spans of its requests (`spans`), None for a captured step."""
         S, ints = self.shape.samples, words[: self.num_ints]
-        v = {name: ints[s] for name, s in self.slices.items()}
+        v: dict[str, Any] = {name: ints[s] for name, s in self.slices.items()}
         floats = words[self.num_ints :].view(torch.float32)  # (2S,)
         batch = ForwardBatch(
             **{name: v[name] for name in BATCH_FIELDS},

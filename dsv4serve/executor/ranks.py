@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -109,10 +108,10 @@ def join_group(engine: EngineConfig, collectives: str, place: Place) -> Joined:
         return Joined(Shard(place.tp_rank, tp, _all_reduce(tp_group), expert_parallel=ep))
     across = [dist.new_group([d * tp + t for d in range(dp)], timeout=limit) for t in range(tp)]
     leaders = dist.new_group([d * tp for d in range(dp)], backend="gloo", timeout=limit)
-    gather = partial(_gather, group=across[place.tp_rank], rank=place.dp_rank)
+    exchange = CoresExchange(across[place.tp_rank], tp_group, place.dp_rank, tp)
     shard = Shard(
         place.tp_rank, tp, _all_reduce(tp_group), expert_parallel=True, expert_rank=me, expert_size=world,
-        gather=gather, expert_reduce=_all_reduce(None),
+        exchange=exchange,
     )  # fmt: skip
     return Joined(shard, leaders)
 
@@ -128,23 +127,41 @@ def _all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return reduce
 
 
-def _gather(*tensors: torch.Tensor, group: Any, rank: int) -> tuple[list[torch.Tensor], slice]:
-    """Every core's rows of each tensor (cores hold different numbers: padded to the most, then cut),
-    and the slice of this core's rows among them."""
-    size = dist.get_world_size(group)
-    n = tensors[0].shape[0]
-    counts = [torch.zeros(1, dtype=torch.int64, device=tensors[0].device) for _ in range(size)]
-    dist.all_gather(counts, torch.tensor([n], dtype=torch.int64, device=tensors[0].device), group=group)
-    rows = [int(c.item()) for c in counts]  # (a host sync per MoE layer: such steps run without graphs)
-    most, out = max(rows), []
-    for t in tensors:
-        padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        padded[:n] = t
-        every = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(every, padded, group=group)
-        out.append(torch.cat([e[:k] for e, k in zip(every, rows, strict=True)]))
-    start = sum(rows[:rank])
-    return out, slice(start, start + n)
+class CoresExchange:
+    """`Exchange` over the cores (`layers/parallel.py`): all-gather then reduce-scatter, each core's
+    rows padded to the most any core has this step (host-known `cores_tokens`: no count exchange, no
+    host sync). Global rank d * tp + t (core d, tensor rank t) gets the t-th of tp equal parts of core
+    d's padded rows from the reduce-scatter over every rank (each holds other experts, and every rank
+    holds the same gathered tokens), then the core's tensor-parallel ranks all-gather their parts."""
+
+    def __init__(self, across: Any, tp_group: Any, core: int, tp: int) -> None:
+        self.across, self.tp_group, self.core, self.tp = across, tp_group, core, tp
+
+    def gather(self, cores_tokens: tuple[int, ...], *tensors: torch.Tensor) -> list[torch.Tensor]:
+        n, most = cores_tokens[self.core], max(cores_tokens)
+        out = []
+        for t in tensors:
+            padded = t.new_zeros((most, *t.shape[1:]))
+            padded[:n] = t
+            every = t.new_empty((len(cores_tokens) * most, *t.shape[1:]))
+            dist.all_gather_into_tensor(every, padded, group=self.across)
+            out.append(torch.cat([every[d * most : d * most + k] for d, k in enumerate(cores_tokens)]))
+        return out
+
+    def combine(self, routed: torch.Tensor, cores_tokens: tuple[int, ...]) -> torch.Tensor:
+        part = -(-max(cores_tokens) // self.tp)  # each rank's rows of its core's padded rows
+        most, start, rest = part * self.tp, 0, routed.shape[1:]
+        padded = routed.new_zeros((len(cores_tokens) * most, *rest))
+        for d, k in enumerate(cores_tokens):
+            padded[d * most : d * most + k] = routed[start : start + k]
+            start += k
+        mine = routed.new_empty((part, *rest))
+        dist.reduce_scatter_tensor(mine, padded)  # over every rank: the sum of every rank's experts
+        if self.tp > 1:
+            core = routed.new_empty((most, *rest))
+            dist.all_gather_into_tensor(core, mine, group=self.tp_group)
+            mine = core
+        return mine[: cores_tokens[self.core]]
 
 
 def agree_min(value: int, device: torch.device) -> int:
@@ -272,9 +289,10 @@ Job = tuple[StepPlan, bool, bool, "Future[Any]"]
 class Lockstep:
     """A data-parallel core's launches in step with the other cores': with the experts spread over
     every rank, each MoE layer gathers every core's tokens, so every core runs every step. A thread
-    owns the core's launches: each round the cores' leaders say (an all-reduce over their gloo group)
-    whether one has a step, whether one goes on, and whether one is aborting; then every core launches
-    its step, or the idle step (`idle_plan`) when it has none. Idle rounds are IDLE_POLL_S apart; after
+    owns the core's launches: each round the cores' leaders say (an all-gather over their gloo group)
+    whether one has a step, whether one goes on, whether one is aborting, and each one's tokens (which
+    the step's plan carries: `StepPlan.cores_tokens`); then every core launches its step, or the idle
+    step (`idle_plan`) when it has none. Idle rounds are IDLE_POLL_S apart; after
     a busy one the next starts at once.
 
     A core closing gracefully keeps stepping until every core is closing (another core's last steps
@@ -311,7 +329,9 @@ class Lockstep:
         self.thread.join()
 
     def _rounds(self) -> None:
-        flags, busy = torch.zeros(3, dtype=torch.int64), True
+        cores = dist.get_world_size(self.group)
+        flags, busy = torch.zeros(4, dtype=torch.int64), True
+        every = torch.zeros(cores * 4, dtype=torch.int64)  # each core's flags, one after another
         while True:
             try:
                 job = self.plans.get(timeout=0 if busy else IDLE_POLL_S)
@@ -320,24 +340,27 @@ class Lockstep:
             flags[0] = job is not None  # some core has a step
             flags[1] = job is not None or not self.closing.is_set()  # some core goes on
             flags[2] = self.aborting.is_set()  # some core stops on an error
+            flags[3] = (job[0] if job is not None else self.idle).num_tokens  # this core's tokens
             try:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+                dist.all_gather_into_tensor(every, flags, group=self.group)
             except Exception as exc:  # a core is gone: nothing can step any more
                 self._end(f"the cores fell out of step: {type(exc).__name__}: {exc}", job)
                 return
-            if flags[2]:
+            some = every.view(cores, 4).amax(0)
+            if some[2]:
                 self._end("another data-parallel core stopped on an error", job)
                 return
-            if not flags[1]:
+            if not some[1]:
                 self._end("the cores have stopped", job)
                 return
-            busy = bool(flags[0])
-            if busy and not self._run(job):
+            busy = bool(some[0])
+            if busy and not self._run(job, tuple(every[3::4].tolist())):
                 return
 
-    def _run(self, job: Job | None) -> bool:
+    def _run(self, job: Job | None, cores_tokens: tuple[int, ...]) -> bool:
         """Launch the round's step; False (the thread ends, every core aborting next round) if it fails."""
         plan, all_logits, keep_logits, done = job or (self.idle, False, False, None)
+        plan = msgspec.structs.replace(plan, cores_tokens=cores_tokens)
         try:
             pending = self._launch(plan, all_logits, keep_logits)
             if done is None:

@@ -380,6 +380,8 @@ class ModelRunner:
         max_len = max((i.seq_len for i in plan.items), default=0)
         words = self.ops.transfers.upload(words, self.device)  # one copy: the batch and the sampled rows
         batch, params = layout.views(words, max_len, SamplingFlags.of(plan.items), spans(plan.items))
+        if plan.cores_tokens:  # the MoE layers' exchange over the data-parallel cores is sized by it
+            batch = dataclasses.replace(batch, cores_tokens=plan.cores_tokens)
         if any(i.is_lookahead for i in plan.items):
             batch = self._lookahead_inputs(batch)
         logits = self.model.forward(batch, all_logits=all_logits)

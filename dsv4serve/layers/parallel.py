@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -28,21 +29,24 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _alone(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], slice]:
-    return list(tensors), slice(None)
+class Exchange(Protocol):
+    """The MoE layers' traffic when the expert group spans the data-parallel cores (each with tokens of
+    its own), sized by every core's tokens this step (`ForwardBatch.cores_tokens`, host-known: no
+    host sync): `gather` gives every core's rows of each tensor (core order, no padding); `combine`
+    sums the experts' partial outputs over those rows across the expert group and gives this core's."""
 
+    def gather(self, cores_tokens: tuple[int, ...], *tensors: torch.Tensor) -> list[torch.Tensor]: ...
 
-Gather = Callable[..., tuple[list[torch.Tensor], slice]]
+    def combine(self, partial: torch.Tensor, cores_tokens: tuple[int, ...]) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
 class Shard:
     """`rank` of a tensor-parallel group of `size` (heads and MLP intermediates split, `reduce` its
     all-reduce); the routed experts: whole, block `expert_rank` of `expert_size` (expert parallelism),
-    else each one's intermediate by the tensor-parallel split. When the expert group spans data-parallel
-    ranks (each with tokens of its own), `gather` brings every such rank's tokens (the rows of each
-    tensor given) and the slice of this rank's among them, and `expert_reduce` sums the experts'
-    partial outputs over the expert group."""
+    else each one's intermediate by the tensor-parallel split. When the expert group spans the
+    data-parallel cores (each with tokens of its own), `exchange` brings every core's tokens to the
+    experts and their outputs back (`Exchange`)."""
 
     rank: int = 0
     size: int = 1
@@ -50,8 +54,7 @@ class Shard:
     expert_parallel: bool = True  # routed experts: whole ones per rank, else each one's intermediate
     expert_rank: int | None = None  # None: `rank` (the expert group is the tensor-parallel group)
     expert_size: int | None = None
-    gather: Gather | None = field(default=None, compare=False)
-    expert_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+    exchange: Exchange | None = field(default=None, compare=False)
 
     def expert_span(self, n: int, what: str) -> tuple[int, int]:
         """This rank's block [start, stop) of n routed experts (expert parallelism)."""

@@ -167,9 +167,9 @@ class DeepseekV4:
     def _moe(self, x: torch.Tensor, w: MoEWeights, batch: ForwardBatch) -> torch.Tensor:
         cfg, sh = self.cfg, self.shard
         softmax = cfg.scoring_func == "softmax"
-        tokens, own = (x, batch.input_ids), slice(None)
-        if sh.gather is not None:  # every data-parallel rank's tokens (the expert group spans them)
-            (xs, input_ids), own = sh.gather(x, batch.input_ids)
+        tokens = (x, batch.input_ids)
+        if sh.exchange is not None:  # every data-parallel core's tokens (the expert group spans them)
+            xs, input_ids = sh.exchange.gather(batch.cores_tokens, x, batch.input_ids)
             tokens = (xs, input_ids)
         weights, ids = self.ops.gating_top_k(
             self.ops.linear(tokens[0], w.gate),  # (N, E) logits in x's dtype
@@ -183,11 +183,11 @@ class DeepseekV4:
         if softmax:  # the op never renormalizes softmax weights; DSV4 renormalizes every score function
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         weights, ids = sh.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
-        if sh.expert_reduce is None:  # the expert group is the tensor-parallel group
+        if sh.exchange is None:  # the expert group is the tensor-parallel group
             routed = self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit, w.shared)
             return sh.reduce(routed)
         routed = self.ops.routed_experts(tokens[0], weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit)
-        out = sh.expert_reduce(routed)[own]
+        out = sh.exchange.combine(routed, batch.cores_tokens)
         if w.shared is None:
             return out
         return out + sh.reduce(swiglu(x, *w.shared, limit=cfg.swiglu_limit, matmul=self.ops.linear))

@@ -124,7 +124,7 @@ class Glm4MoeLite:
         eps = self.cfg.rms_norm_eps
         for layer, cache in zip(self.layers, self.caches, strict=True):
             x = x + self._attention(self.ops.rms_norm(x, layer.in_norm, eps), layer.attn, cache, meta)
-            x = x + self._mlp(self.ops.rms_norm(x, layer.post_norm, eps), layer.mlp)
+            x = x + self._mlp(self.ops.rms_norm(x, layer.post_norm, eps), layer.mlp, batch.cores_tokens)
         if not all_logits:
             x = x[batch.sample_index]
         return self.ops.linear(self.ops.rms_norm(x, self.norm, eps), self.head)
@@ -140,13 +140,15 @@ class Glm4MoeLite:
         out = ops.mla.attention(q, cache, w.kv_b, meta, d)  # (T, H, v): this rank's heads
         return self.shard.reduce(ops.linear(out.reshape(x.shape[0], -1), w.o))
 
-    def _mlp(self, x: torch.Tensor, w: MlpWeights) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, w: MlpWeights, cores_tokens: tuple[int, ...]) -> torch.Tensor:
         ops, cfg = self.ops, self.cfg
         if w.gate_up_down is not None:
             return self.shard.reduce(swiglu(x, *w.gate_up_down, limit=math.inf, matmul=ops.linear))
         assert w.router is not None and w.experts is not None
         sh = self.shard
-        (xs,), own = sh.gather(x) if sh.gather is not None else ((x,), slice(None))  # every DP rank's tokens
+        xs = (
+            sh.exchange.gather(cores_tokens, x)[0] if sh.exchange is not None else x
+        )  # every DP core's tokens
         weights, ids = ops.gating_top_k(
             torch.nn.functional.linear(xs.float(), w.router),  # (N, E) fp32 logits (the router kept in fp32)
             cfg.num_experts_per_tok,
@@ -158,9 +160,11 @@ class Glm4MoeLite:
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
         weights, ids = sh.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
-        if sh.expert_reduce is None:  # the expert group is the tensor-parallel group
+        if sh.exchange is None:  # the expert group is the tensor-parallel group
             return sh.reduce(ops.routed_experts(x, weights.to(x.dtype), ids, *w.experts, math.inf, w.shared))
-        out = sh.expert_reduce(ops.routed_experts(xs, weights.to(x.dtype), ids, *w.experts, math.inf))[own]
+        out = sh.exchange.combine(
+            ops.routed_experts(xs, weights.to(x.dtype), ids, *w.experts, math.inf), cores_tokens
+        )
         if w.shared is None:
             return out
         return out + sh.reduce(swiglu(x, *w.shared, limit=math.inf, matmul=ops.linear))
