@@ -126,6 +126,48 @@ def fake_rotary_mul(
     return x * r1 + rotated * r2
 
 
+def fake_hc_pre_v2(x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters, norm_eps, hc_eps):
+    """vllm-ascend `_C_ascend.npu_hc_pre_v2` (its op test's golden, ../reference notes): the streams x
+    (T, hc, D) bf16 flattened and RMS-scaled, times hc_fn^T ((2+hc)*hc, hc*D) fp32, split into
+    pre / post / comb; pre = sigmoid(. * scale[0] + base) + eps, post = 2 sigmoid(. * scale[1] + base),
+    comb = softmax over its last dim + eps, columns normalized, then hc_sinkhorn_iters - 1 rounds of
+    rows then columns; y = sum of pre-weighted streams in fp32, cast to bf16. Limits: hc 4, D 4096 or
+    7168, bf16 x, fp32 parameters. Returns (y (T, D) bf16, post (T, hc), comb (T, hc, hc) fp32)."""
+    _, hc, D = x.shape
+    assert x.dtype == torch.bfloat16 and hc == hc_mult == 4 and D in (4096, 7168)
+    assert hc_fn.dtype == hc_scale.dtype == hc_base.dtype == torch.float32
+    assert (
+        hc_fn.shape == ((2 + hc) * hc, hc * D)
+        and hc_scale.shape == (3,)
+        and hc_base.shape == ((2 + hc) * hc,)
+    )
+    xf = x.float().flatten(-2)
+    mix = (xf @ hc_fn.t()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
+    pre, post, comb = mix.split([hc, hc, hc * hc], -1)
+    pre = torch.sigmoid(pre * hc_scale[0] + hc_base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(post * hc_scale[1] + hc_base[hc : 2 * hc])
+    comb = (comb.view(-1, hc, hc) * hc_scale[2] + hc_base[2 * hc :].view(hc, hc)).softmax(-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return (pre[..., None] * x.float()).sum(-2).to(x.dtype), post, comb
+
+
+def fake_hc_post(x, residual, post, comb):
+    """vllm-ascend `_C_ascend.npu_hc_post`, each operand with a leading batch dim (1): stream n is
+    post[n] * x + sum_m comb[m, n] * residual[m], in fp32, cast to x's dtype. x (1, T, D), residual
+    (1, T, hc, D), post (1, T, hc), comb (1, T, hc, hc) -> (1, T, hc, D)."""
+    B, T, hc, D = residual.shape
+    assert B == 1 and x.shape == (1, T, D) and post.shape == (1, T, hc) and comb.shape == (1, T, hc, hc)
+    assert x.dtype == residual.dtype == torch.bfloat16 and post.dtype == comb.dtype == torch.float32
+    mixed = torch.einsum("btmn,btmd->btnd", comb, residual.float())
+    return (post[..., None] * x.float()[:, :, None] + mixed).to(x.dtype)
+
+
+# ops of a custom-op library (vllm-ascend's `torch.ops._C_ascend`), not of torch_npu itself
+CUSTOM = {"npu_hc_pre_v2": fake_hc_pre_v2, "npu_hc_post": fake_hc_post}
+
 FAKES = {
     "npu_dynamic_quant": fake_dynamic_quant,
     "npu_quant_matmul": fake_quant_matmul,
@@ -135,14 +177,17 @@ FAKES = {
     "npu_moe_gating_top_k": fake_gating_top_k,
     "npu_rms_norm": fake_rms_norm,
     "npu_rotary_mul": fake_rotary_mul,
+    **CUSTOM,
 }
 
 
 def install(monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = ()) -> dict[str, int]:
-    """Install the fake as `torch_npu` (without the ops `missing` names); returns how often each op
-    was called."""
+    """Install the fake as `torch_npu`, its custom ops as `torch.ops._C_ascend` (without the ops
+    `missing` names); returns how often each op was called."""
     calls: dict[str, int] = dict.fromkeys(FAKES, 0)
     module = types.ModuleType("torch_npu")
+    library = types.SimpleNamespace()
+    monkeypatch.setattr(torch.ops, "_C_ascend", library, raising=False)
     for name, fn in FAKES.items():
         if name in missing:
             continue
@@ -151,6 +196,6 @@ def install(monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = ()) -> d
             calls[_name] += 1
             return _fn(*args, **kwargs)
 
-        setattr(module, name, counted)
+        setattr(library if name in CUSTOM else module, name, counted)
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     return calls

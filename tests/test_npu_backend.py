@@ -66,7 +66,7 @@ def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> Non
     mapped = {f for f in names if _family(ops, f) is not _family(REFERENCE, f)}
     assert mapped == set(FAMILY_OPS)
     assert mapped == {"linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4.rope", "dsv4.q_norm_rope",
-                      "dsv4.kv_norm_rope_store"}  # fmt: skip
+                      "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post"}  # fmt: skip
 
 
 @pytest.mark.parametrize("op", NPU_OPS)
@@ -118,6 +118,57 @@ def test_greedy_run_through_the_npu_backend_is_the_references(
     assert max(compare(w, g) for w, g in zip(want, got, strict=True)) <= 1e-5
     for op in ("npu_rms_norm", "npu_moe_gating_top_k", "npu_rotary_mul"):
         assert (calls[op] > 0) == (op not in missing), op
+
+
+def _streams(seed: int, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[Any, ...]:
+    from dsv4serve.layers.mhc import HcParams, HyperConnection
+
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(tokens, 4, hidden, generator=gen)).to(dtype)
+    hc = HyperConnection(
+        fn=torch.randn(24, 4 * hidden, generator=gen) * 0.02,
+        base=torch.randn(24, generator=gen) * 0.1,
+        scale=torch.randn(3, generator=gen),
+    )
+    norm = torch.rand(hidden, generator=gen) + 0.5
+    return h, hc, norm, HcParams(mult=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_mhc_pre_and_post_on_their_custom_ops_are_the_reference(
+    fake_npu: dict[str, int], hidden: int
+) -> None:
+    """DeepSeek-V4's mHC at the dimensions the custom ops take (bf16 streams, hc 4, Flash's 4096 and
+    Pro's 7168): the block input, post and comb, then the new streams, against the reference's."""
+    h, hc, norm, p = _streams(3, 5, hidden, torch.bfloat16)
+    dsv4 = select("npu").dsv4
+    x, post, comb = dsv4.hc_pre(h, hc, norm, p)
+    want_x, want_post, want_comb = REFERENCE.dsv4.hc_pre(h, hc, norm, p)
+    assert x.dtype == torch.bfloat16 and post.shape == (5, 4) and comb.shape == (5, 4, 4)
+    torch.testing.assert_close(post, want_post, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, want_comb, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, want_x)  # bf16's tolerance: the collapse's sums in another order
+    out = torch.randn(5, hidden, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got = dsv4.hc_post(out, h, post, comb)
+    assert got.dtype == torch.bfloat16 and got.shape == h.shape
+    want = REFERENCE.dsv4.hc_post(out.float(), h.float(), post, comb)  # the op mixes in fp32, then casts
+    torch.testing.assert_close(got, want.to(torch.bfloat16))
+    assert fake_npu["npu_hc_pre_v2"] == fake_npu["npu_hc_post"] == 1
+
+
+def test_mhc_outside_the_custom_ops_limits_takes_the_reference(fake_npu: dict[str, int]) -> None:
+    """fp32 streams, or a hidden size the ops do not take: the reference, not the op."""
+    dsv4 = select("npu").dsv4
+    for dtype, hidden in ((torch.float32, 4096), (torch.bfloat16, 64)):
+        h, hc, norm, p = _streams(5, 3, hidden, dtype)
+        got = dsv4.hc_pre(h, hc, norm, p)
+        for a, b in zip(got, REFERENCE.dsv4.hc_pre(h, hc, norm, p), strict=True):
+            assert torch.equal(a, b)
+        out = h[:, 0]
+        assert torch.equal(
+            dsv4.hc_post(out, h, got[1], got[2]), REFERENCE.dsv4.hc_post(out, h, got[1], got[2])
+        )
+    assert fake_npu["npu_hc_pre_v2"] == fake_npu["npu_hc_post"] == 0
 
 
 def test_cpu_backend_does_not_import_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:

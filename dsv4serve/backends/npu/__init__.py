@@ -20,15 +20,16 @@ from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.linear import npu_linear
+from dsv4serve.backends.npu.mhc import npu_hc_post, npu_hc_pre
 from dsv4serve.backends.npu.norm import npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
 from dsv4serve.config import ConfigError
 
-# Each op family the npu backend maps, with the torch_npu ops it needs (feature-checked at start-up:
-# builds differ by CANN version); a family whose ops are missing runs the reference, one warning
-# naming them. The others (DeepSeek-V4's attention, compressor, indexer, mHC, rope; GLM's MLA) run
-# the reference for now.
+# Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
+# builds differ by CANN version; `npu_find_op` says where each is looked for); a family whose ops are
+# missing runs the reference, one warning naming them. The others (DeepSeek-V4's attention,
+# compressor, indexer; GLM's MLA) run the reference for now.
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "linear": ("npu_dynamic_quant", "npu_quant_matmul"),
     "routed_experts": (
@@ -42,7 +43,13 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "dsv4.rope": ("npu_rotary_mul",),
     "dsv4.q_norm_rope": ("npu_rotary_mul",),
     "dsv4.kv_norm_rope_store": ("npu_rms_norm", "npu_rotary_mul"),
+    "dsv4.hc_pre": ("npu_hc_pre_v2", "npu_rms_norm"),
+    "dsv4.hc_post": ("npu_hc_post",),
 }
+# Custom-op libraries (not stock torch_npu) an op may come from, as torch.ops namespaces: vllm-ascend's
+# `_C_ascend` (its csrc build) and SGLang's Ascend kernels' `custom`; each needs that package installed
+# and imported before the engine starts.
+CUSTOM_LIBRARIES = ("_C_ascend", "custom")
 NPU_OPS = tuple(dict.fromkeys(op for ops in FAMILY_OPS.values() for op in ops))
 
 
@@ -61,11 +68,23 @@ def load_torch_npu() -> ModuleType:
         ) from exc
 
 
+def npu_find_op(npu: ModuleType, name: str) -> Any:
+    """The Ascend op `name`: torch_npu's, else a custom-op library's (CUSTOM_LIBRARIES); None if none."""
+    if hasattr(npu, name):
+        return getattr(npu, name)
+    for library in CUSTOM_LIBRARIES:
+        namespace = getattr(torch.ops, library)
+        if hasattr(namespace, name):
+            return getattr(namespace, name)
+    return None
+
+
 def backend(npu: ModuleType | None = None) -> Backend:
     """The npu backend over `npu` (torch_npu, imported here when None): each family on its Ascend ops
     where this build has them, else on the reference (one warning naming the missing ops)."""
     npu = npu or load_torch_npu()
     reference = ref.backend()
+    found = {op: npu_find_op(npu, op) for op in NPU_OPS}
     ascend = {
         "linear": partial(npu_linear, npu=npu),
         "routed_experts": partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
@@ -74,10 +93,12 @@ def backend(npu: ModuleType | None = None) -> Backend:
         "dsv4.rope": partial(npu_rope, npu=npu),
         "dsv4.q_norm_rope": partial(npu_q_norm_rope, npu=npu),
         "dsv4.kv_norm_rope_store": partial(npu_kv_norm_rope_store, npu=npu),
+        "dsv4.hc_pre": partial(npu_hc_pre, pre=found["npu_hc_pre_v2"], rms_norm=found["npu_rms_norm"]),
+        "dsv4.hc_post": partial(npu_hc_post, op=found["npu_hc_post"]),
     }
     families: dict[str, Any] = {}
     for family, ops in FAMILY_OPS.items():
-        missing = [op for op in ops if not hasattr(npu, op)]
+        missing = [op for op in ops if found[op] is None]
         if missing:
             why = f"npu backend: this torch_npu lacks {', '.join(missing)}: {family} runs the reference"
             warnings.warn(why, RuntimeWarning, stacklevel=2)

@@ -1,0 +1,69 @@
+"""DeepSeek-V4's mHC on Ascend: the custom ops `npu_hc_pre_v2` and `npu_hc_post` behind the contracts of
+`layers/mhc.py` (`hc_pre`, `hc_post`).
+
+The ops come from a custom-op library, not stock torch_npu: vllm-ascend registers them as
+`torch.ops._C_ascend.*` (its `csrc` build for CANN 8.5 on Atlas A2 / A3), SGLang's Ascend kernels as
+`torch.ops.custom.*` (`npu_find_op` looks in both). The documented contract (vllm-ascend's op test,
+`../reference` notes): `npu_hc_pre_v2(x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters,
+norm_eps, hc_eps) -> (y, post, comb)` with x (T, hc, D) bf16, fn / scale / base fp32, y (T, D) bf16,
+post (T, hc) and comb (T, hc, hc) fp32; the mix GEMM runs in HF32 (the op's own test allows 4e-3 on y,
+1e-4 on post / comb). Supported: hc == 4, D in {4096, 7168}; any other shape or dtype (the tiny test
+checkpoints, fp32 runs) takes the reference for that call. `npu_hc_post(x, residual, post, comb)` takes
+a leading batch dim of 1 on each operand and returns (1, T, hc, D) in x's dtype. The block input's
+RMSNorm, which the family's contract includes, runs on `npu_rms_norm`. **Never run on an Ascend NPU.**
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dsv4serve.layers import mhc
+from dsv4serve.layers.mhc import HcParams, HyperConnection
+
+HC_MULT = 4
+HIDDEN = (4096, 7168)
+
+
+def supported(h: torch.Tensor, p: HcParams) -> bool:
+    """The shapes and dtype the custom ops take (x bf16, hc_mult 4, hidden 4096 or 7168)."""
+    return h.dtype == torch.bfloat16 and p.mult == HC_MULT and h.dim() == 3 and h.shape[-1] in HIDDEN
+
+
+def npu_hc_pre(
+    h: torch.Tensor,
+    hc: HyperConnection,
+    norm_weight: torch.Tensor,
+    p: HcParams,
+    *,
+    pre: Callable[..., Any],
+    rms_norm: Callable[..., Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The streams h (T, hc, D) collapsed into the block input (RMSNormed), post (T, hc), comb (T, hc, hc)."""
+    if not supported(h, p):
+        return mhc.hc_pre(h, hc, norm_weight, p)
+    y, post, comb = pre(h, hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.norm_eps, p.eps)
+    normed, _ = rms_norm(y, norm_weight, p.norm_eps)
+    T = h.shape[0]
+    return normed, post.reshape(T, p.mult), comb.reshape(T, p.mult, p.mult)
+
+
+def npu_hc_post(
+    out: torch.Tensor,
+    h: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    op: Callable[..., Any],
+) -> torch.Tensor:
+    """New streams post * out + comb^T h: (T, hc, D) in h's dtype."""
+    if (
+        h.dtype != torch.bfloat16
+        or out.dtype != h.dtype
+        or h.shape[1] != HC_MULT
+        or h.shape[-1] not in HIDDEN
+    ):
+        return mhc.hc_post(out, h, post, comb)
+    return op(out[None], h[None], post[None], comb[None])[0]
