@@ -270,24 +270,27 @@ class OpenAIApp:
         await out.json(stream.whole([done[i] for i in range(len(done))]))
 
     async def _stream(self, generation: Generation, out: Responder, stream: Stream) -> None:
+        """Server-sent events, one per chunk; the chunks of every event that has arrived go out in one
+        write (one per step while the client keeps up, fewer and larger ones when it falls behind)."""
         try:
-            async for index, event in generation.events():
-                if isinstance(event, ErrorEvent):
-                    raise http_error(event.code, event.message)
-                if not out.started:
-                    await out.sse_start()
-                    for chunk in stream.opening():
-                        await out.sse(chunk)
-                if isinstance(event, DoneEvent):
-                    self.metrics.finished(event)
-                for chunk in stream.chunks(index, event):
-                    await out.sse(chunk)
+            async for batch in generation.batches():
+                events: list[object] = []
+                for index, event in batch:
+                    if isinstance(event, ErrorEvent):
+                        await out.sse(*events)
+                        raise http_error(event.code, event.message)
+                    if not out.started:
+                        await out.sse_start()
+                        events += stream.opening()
+                    if isinstance(event, DoneEvent):
+                        self.metrics.finished(event)
+                    events += stream.chunks(index, event)
+                await out.sse(*events)
         except HttpError as err:
             await out.error(err)
             return
-        if (usage := stream.usage_chunk()) is not None:
-            await out.sse(usage)
-        await out.sse_done()
+        usage = stream.usage_chunk()
+        await out.sse_done(*([] if usage is None else [usage]))
 
 
 def _submit(

@@ -103,11 +103,18 @@ class Responder:
     async def sse_start(self) -> None:
         await self.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
 
-    async def sse(self, value: object) -> None:
-        await self.body(b"data: " + _ENCODER.encode(value) + b"\n\n", more=True)
+    async def sse(self, *values: object) -> None:
+        """One event per value, in one write (none for no values)."""
+        if values:
+            await self.body(_events(values), more=True)
 
-    async def sse_done(self) -> None:
-        await self.body(b"data: [DONE]\n\n")
+    async def sse_done(self, *values: object) -> None:
+        """The last events, then the stream's end."""
+        await self.body(_events(values) + b"data: [DONE]\n\n")
+
+
+def _events(values: tuple[object, ...]) -> bytes:
+    return b"".join(b"data: " + _ENCODER.encode(v) + b"\n\n" for v in values)
 
 
 async def until_disconnect(receive: Receive, out: Responder, body: Callable[[], Awaitable[None]]) -> bool:

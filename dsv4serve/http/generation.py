@@ -47,12 +47,27 @@ class Generation:
 
     async def events(self) -> AsyncIterator[tuple[int, TokenEvent | DoneEvent | ErrorEvent]]:
         """(choice index, event) until every choice has ended."""
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, TokenEvent | DoneEvent | ErrorEvent]]]:
+        """The events as they come, each batch all that had arrived (one at least) when it was taken:
+        a stream whose writer falls behind the engine catches up in fewer, larger writes."""
         while self._live:
-            event = await self._recv.receive()
-            assert isinstance(event, TokenEvent | DoneEvent | ErrorEvent), event
-            if not isinstance(event, TokenEvent):
-                self._live.discard(event.id or "")
-            yield self._index[event.id or ""], event
+            batch = [self._take(await self._recv.receive())]
+            while self._live:
+                try:
+                    batch.append(self._take(self._recv.receive_nowait()))
+                except trio.WouldBlock:
+                    break
+            yield batch
+
+    def _take(self, event: Event) -> tuple[int, TokenEvent | DoneEvent | ErrorEvent]:
+        assert isinstance(event, TokenEvent | DoneEvent | ErrorEvent), event
+        if not isinstance(event, TokenEvent):
+            self._live.discard(event.id or "")
+        return self._index[event.id or ""], event
 
     def close(self) -> None:
         """Cancel what is still running (idempotent)."""

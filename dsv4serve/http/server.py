@@ -7,6 +7,7 @@ flight finish; then the server stops listening and the engine drains and stops.
 
 from __future__ import annotations
 
+import gc
 import signal
 import types
 from dataclasses import dataclass
@@ -96,6 +97,8 @@ async def serve_http(
         config.certfile, config.keyfile = http.ssl_certfile, http.ssl_keyfile
         urls = await nursery.start(partial(serve, app, config, shutdown_trigger=app.drained.wait))  # type: ignore[arg-type]
         log.info("ready", model=str(options.model_dir), urls=list(urls))
+        gc.collect()  # what start-up left stays out of every later collection: fewer, shorter pauses
+        gc.freeze()
         task_status.started(HttpServer(app, handle, tuple(urls)))
         nursery.start_soon(_drain_when_stopped, handle, app)
         await app.drained.wait()
