@@ -24,6 +24,7 @@ from dsv4serve.chat.messages import FunctionCall, ToolCallSpec
 from dsv4serve.config import EngineConfig
 from dsv4serve.models.deepseek_v4.chat import render_tool_calls
 from dsv4serve.models.deepseek_v4.dsml import MARKERS
+from dsv4serve.protocol import SamplingParams
 from tests.http_harness import ServedModel, collect_stream, free
 
 ENGINE = EngineConfig(max_total_tokens=8192, max_num_seqs=32, max_num_batched_tokens=512)
@@ -423,3 +424,46 @@ def test_a_burst_of_1000_streams_is_answered_without_resets(tiny_model_dir: Path
         wait_free(model)
     finally:
         model.close()
+
+
+async def test_a_stream_behind_the_engine_takes_every_arrived_event_at_once() -> None:
+    """`Generation.batches`: what has arrived when the writer looks goes out together (one write),
+    in order; then it waits for the next; it ends with the last choice's end."""
+    from dsv4serve.http.generation import Generation
+    from dsv4serve.protocol import DoneEvent, Submit, Timing, TokenEvent, Usage
+
+    channels: dict[str, Any] = {}
+
+    class Handle:
+        def submit(self, submit: Submit, send: Any) -> None:
+            channels[submit.rid] = send
+
+        def cancel(self, rid: str) -> None:
+            pass
+
+    submits = [
+        Submit(rid=r, prompt=None, prompt_token_ids=(1, 2), params=SamplingParams()) for r in ("a", "b")
+    ]
+    generation = Generation(Handle(), submits)  # type: ignore[arg-type]
+    tokens = [TokenEvent(id=r, token_ids=(7,), text="x") for r in ("a", "b", "a")]
+    for event in tokens:
+        channels[event.id].send_nowait(event)
+    done = [
+        DoneEvent(
+            id=r,
+            finish_reason="length",
+            token_ids=(7,),
+            text="x",
+            usage=Usage(prompt_tokens=2, completion_tokens=1),
+            timing=Timing(ttft_ms=1, total_ms=1),
+        )
+        for r in ("a", "b")
+    ]
+    batches = generation.batches()
+    assert await anext(batches) == [(0, tokens[0]), (1, tokens[1]), (0, tokens[2])]
+    channels["a"].send_nowait(done[0])
+    assert await anext(batches) == [(0, done[0])]
+    channels["b"].send_nowait(done[1])
+    assert await anext(batches) == [(1, done[1])]
+    with pytest.raises(StopAsyncIteration):
+        await anext(batches)
