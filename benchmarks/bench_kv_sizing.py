@@ -23,6 +23,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def with_context(model: Path, max_position: int) -> Path:
+    """The checkpoint declaring `max_position` tokens of context (a sibling folder: its config changed,
+    its other files linked): the KV is then bounded by memory, not by max_num_seqs x the context."""
+    out = model.with_name(f"{model.name}-ctx{max_position}")
+    out.mkdir(exist_ok=True)
+    for f in model.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((model / "config.json").read_text()) | {"max_position_embeddings": max_position}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def main() -> None:
     from bench_serving import checkpoint
 
@@ -36,6 +49,9 @@ def main() -> None:
     parser.add_argument("--cache", default="/tmp/dsv4serve-bench")
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU: checks the flow")
+    parser.add_argument(
+        "--max-position", type=int, default=1 << 20, help="the context the checkpoint declares (Flash's 1M)"
+    )
     args = parser.parse_args()
     import torch
 
@@ -43,7 +59,7 @@ def main() -> None:
 
     logs.configure("warning")
     args.steps = 0
-    model = checkpoint(args)
+    model = with_context(checkpoint(args), args.max_position)
     device = "cpu" if args.dry_run else "cuda"
     knobs: dict[str, Any] = {"device": device, "max_num_seqs": args.max_num_seqs}
     knobs |= {"max_num_batched_tokens": args.max_num_batched_tokens}
@@ -54,6 +70,7 @@ def main() -> None:
         report["load_s"] = round(time.perf_counter() - begin, 1)
         pools = engine.pool_usage()
         report["pool_slots"] = {name: capacity for name, (_, capacity) in pools.items()}
+        report["max_position"] = args.max_position
         first = next(iter(pools.values()))[1]
         n = min(args.max_num_seqs, first // (args.prompt_len + 16))
         rng = random.Random(0)
