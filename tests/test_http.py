@@ -467,3 +467,18 @@ async def test_a_stream_behind_the_engine_takes_every_arrived_event_at_once() ->
     assert await anext(batches) == [(1, done[1])]
     with pytest.raises(StopAsyncIteration):
         await anext(batches)
+
+
+def test_a_choices_tokens_that_arrived_together_go_in_one_chunk() -> None:
+    """`_merged`: consecutive token events of one choice join (ids and text in order, the first's
+    prompt count); another choice's event or an end between them keeps them apart."""
+    from dsv4serve.http.app import _merged
+    from dsv4serve.protocol import TokenEvent
+
+    a1 = TokenEvent(id="a", token_ids=(1,), text="x", prompt_tokens=5)
+    a2, a3 = TokenEvent(id="a", token_ids=(2, 3), text="yz"), TokenEvent(id="a", token_ids=(4,), text="")
+    b1 = TokenEvent(id="b", token_ids=(9,), text="q")
+    joined = TokenEvent(id="a", token_ids=(1, 2, 3, 4), text="xyz", prompt_tokens=5)
+    assert _merged([(0, a1), (0, a2), (0, a3)]) == [(0, joined)]
+    assert _merged([(0, a1), (1, b1), (0, a2)]) == [(0, a1), (1, b1), (0, a2)]
+    assert _merged([]) == []

@@ -34,7 +34,15 @@ from dsv4serve.http.asgi import (
 from dsv4serve.http.generation import Generation, http_error
 from dsv4serve.http.metrics import CONTENT_TYPE, Metrics
 from dsv4serve.http.streams import ChatStream, CompletionStream, Stream
-from dsv4serve.protocol import DoneEvent, ErrorEvent, SamplingFields, SamplingParams, StructuredOutput, Submit
+from dsv4serve.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    SamplingFields,
+    SamplingParams,
+    StructuredOutput,
+    Submit,
+    TokenEvent,
+)
 
 DEFAULT_CHAT_MAX_TOKENS = 1024
 MAX_BODY_BYTES = 64 << 20
@@ -271,11 +279,12 @@ class OpenAIApp:
 
     async def _stream(self, generation: Generation, out: Responder, stream: Stream) -> None:
         """Server-sent events, one per chunk; the chunks of every event that has arrived go out in one
-        write (one per step while the client keeps up, fewer and larger ones when it falls behind)."""
+        write, a choice's tokens that arrived together in one chunk (one chunk a token while the client
+        keeps up; fewer, larger ones when the writer falls behind the engine)."""
         try:
             async for batch in generation.batches():
                 events: list[object] = []
-                for index, event in batch:
+                for index, event in _merged(batch):
                     if isinstance(event, ErrorEvent):
                         await out.sse(*events)
                         raise http_error(event.code, event.message)
@@ -291,6 +300,28 @@ class OpenAIApp:
             return
         usage = stream.usage_chunk()
         await out.sse_done(*([] if usage is None else [usage]))
+
+
+Indexed = tuple[int, TokenEvent | DoneEvent | ErrorEvent]
+
+
+def _merged(batch: list[Indexed]) -> list[Indexed]:
+    """The batch with each run of one choice's consecutive token events as one event."""
+    out: list[Indexed] = []
+    for index, event in batch:
+        if out and isinstance(event, TokenEvent) and isinstance(out[-1][1], TokenEvent):
+            last = out[-1][1]
+            if last.id == event.id:
+                out[-1] = (index, _joined(last, event))
+                continue
+        out.append((index, event))
+    return out
+
+
+def _joined(a: TokenEvent, b: TokenEvent) -> TokenEvent:
+    return TokenEvent(
+        id=a.id, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, prompt_tokens=a.prompt_tokens
+    )
 
 
 def _submit(
