@@ -6,12 +6,17 @@ here has run on an Ascend NPU."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from test_npu_routing import fake_gating_top_k
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 
 def fake_dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +186,78 @@ FAKES = {
 }
 
 
+class _Recorder(TorchDispatchMode):
+    """Records every aten op a step runs (with its tensors: the graph's static memory); an Ascend op of
+    this fake is recorded whole, as one node (`_counted`): it stands for one device kernel."""
+
+    def __init__(self, nodes: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]) -> None:
+        super().__init__()
+        self.nodes = nodes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError(
+                "a host sync (.item(), .tolist(), a data-dependent shape) inside a graph capture"
+            )
+        out = func(*args, **kwargs)
+        self.nodes.append((func, args, kwargs, out))
+        return out
+
+
+_RECORDING: list[_Recorder] = []  # the capture under way, if any
+
+
+class FakeNPUGraph:
+    """`torch.npu.NPUGraph` for tests on the CPU: `graph(g)` records the ops of the step run inside it,
+    `replay()` runs them again on the same tensors, writing each result into the tensor the capture
+    produced (so a step that reads only its static inputs gives the new results in its static
+    outputs, as a real graph does). Host syncs inside a capture raise, as they fail a real capture."""
+
+    def __init__(self) -> None:
+        self.nodes: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        for func, args, kwargs, out in self.nodes:
+            fresh = func(*args, **kwargs)
+            for old, new in zip(tree_leaves(out), tree_leaves(fresh), strict=True):
+                if isinstance(old, torch.Tensor) and old is not new:
+                    old.copy_(new)
+
+
+@contextlib.contextmanager
+def fake_graph(graph: FakeNPUGraph, pool: Any = None) -> Iterator[None]:
+    recorder = _Recorder(graph.nodes)
+    _RECORDING.append(recorder)
+    try:
+        with recorder:
+            yield
+    finally:
+        _RECORDING.pop()
+
+
+class _FakeStream:
+    def __init__(self, device: Any = None) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+def fake_runtime() -> types.ModuleType:
+    """The fake's `torch_npu.npu` module (torch.npu): graphs and streams (one stream: the CPU's)."""
+    rt = types.ModuleType("torch_npu.npu")
+    rt.NPUGraph = FakeNPUGraph  # type: ignore[attr-defined]
+    rt.graph = fake_graph  # type: ignore[attr-defined]
+    rt.graph_pool_handle = object  # type: ignore[attr-defined]
+    rt.Stream = _FakeStream  # type: ignore[attr-defined]
+    rt.current_stream = _FakeStream  # type: ignore[attr-defined]
+    rt.stream = lambda s: contextlib.nullcontext()  # type: ignore[attr-defined]
+    return rt
+
+
 def install(monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = ()) -> dict[str, int]:
     """Install the fake as `torch_npu`, its custom ops as `torch.ops._C_ascend` (without the ops
     `missing` names); returns how often each op was called."""
@@ -194,8 +271,14 @@ def install(monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = ()) -> d
 
         def counted(*args, _name=name, _fn=fn, **kwargs):  # type: ignore[no-untyped-def]
             calls[_name] += 1
-            return _fn(*args, **kwargs)
+            if not _RECORDING:
+                return _fn(*args, **kwargs)
+            with _disable_current_modes():  # one node: the op's own steps are the device's business
+                out = _fn(*args, **kwargs)
+            _RECORDING[-1].nodes.append((_fn, args, kwargs, out))
+            return out
 
         setattr(library if name in CUSTOM else module, name, counted)
+    module.npu = fake_runtime()  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     return calls

@@ -171,6 +171,34 @@ def test_mhc_outside_the_custom_ops_limits_takes_the_reference(fake_npu: dict[st
     assert fake_npu["npu_hc_pre_v2"] == fake_npu["npu_hc_post"] == 0
 
 
+@pytest.mark.parametrize("state_mode", ["paged", "ring"])
+def test_decode_steps_captured_as_npu_graphs_give_the_references_tokens(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, state_mode: str
+) -> None:
+    """Graphs on: the executor's capture code (the CUDA backend's) captures decode steps through the npu
+    backend's graph class over the fake's `NPUGraph`, which records a step's ops and runs them again on
+    replay (a host sync inside a capture raises); the replayed steps give the reference's tokens."""
+    from golden_harness import compare, engine_traces, random_chunker
+
+    from dsv4serve.backends.npu.graphs import NpuGraphs
+    from dsv4serve.config import EngineConfig
+    from dsv4serve.executor.runner import ModelRunner
+
+    install(monkeypatch)
+    monkeypatch.setattr(NpuGraphs, "device_type", "cpu")  # the fake's tensors live on the CPU
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, 129000) for _ in range(n)] for n in (5, 23, 2)]
+    engine = EngineConfig(
+        dtype="float32", page_size=4, max_num_seqs=3, max_total_tokens=512, state_mode=state_mode
+    )
+    want = engine_traces(tiny_model_dir, prompts, 6, engine, chunk=random_chunker(2, 4, 12))
+    runner = ModelRunner(tiny_model_dir, engine, ops=select("npu"))
+    got = engine_traces(tiny_model_dir, prompts, 6, engine, chunk=random_chunker(2, 4, 12), runner=runner)
+    assert max(compare(w, g) for w, g in zip(want, got, strict=True)) <= 1e-5
+    assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"
+    assert sum(g.graph.graph.replays for g in runner.graphs.graphs.values()) > 0  # type: ignore[union-attr]
+
+
 def test_cpu_backend_does_not_import_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     assert select("cpu").linear is REFERENCE.linear

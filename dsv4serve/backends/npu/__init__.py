@@ -1,5 +1,6 @@
 """The npu backend: torch_npu ops where a documented op has the contract (the W8A8 linear, the router,
-the routed experts, RMSNorm), the reference elsewhere; plain transfers, no graphs yet. Written against the
+the routed experts, RMSNorm, rope, mHC), the reference elsewhere; plain transfers; decode steps captured
+as NPU graphs (`graphs.py`) where torch_npu has them. Written against the
 documented torch_npu API and tested through a fake `torch_npu`: **never run on an Ascend NPU**.
 """
 
@@ -19,6 +20,7 @@ import torch
 from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
 from dsv4serve.backends.npu.experts import npu_routed_experts
+from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
 from dsv4serve.backends.npu.mhc import npu_hc_post, npu_hc_pre
 from dsv4serve.backends.npu.norm import npu_rms_norm
@@ -111,6 +113,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
         name="npu",
         dsv4=replace(reference.dsv4, **dsv4),
         transfers=NpuTransfers(npu),
+        graphs=NpuGraphs(npu) if hasattr(getattr(npu, "npu", None), "NPUGraph") else None,
         collectives="hccl",
         **top,
     )
