@@ -170,8 +170,79 @@ def fake_hc_post(x, residual, post, comb):
     return (post[..., None] * x.float()[:, :, None] + mixed).to(x.dtype)
 
 
+def fake_sparse_attn_sharedkv(
+    q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None, ori_block_table=None,
+    cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None, seqused_q=None,
+    seqused_kv=None, sinks=None, metadata=None, softmax_scale=0.0, cmp_ratio=0, ori_mask_mode=4,
+    cmp_mask_mode=3, ori_win_left=128, ori_win_right=0, layout_q="BSND", layout_kv="PA_ND",
+    return_softmax_lse=False,
+):  # fmt: skip
+    """`npu_sparse_attn_sharedkv` (ops-transformer's sparse_attn_sharedkv README, ../reference notes):
+    MQA with one shared K=V head; query t of batch entry b sits at position p = seqused_kv[b] - q_len_b
+    + i (right-aligned); it reads the raw K=V at positions [p - ori_win_left, p + ori_win_right] below
+    seqused_kv[b] (band, mode 4) through `ori_block_table` (page = position // block size), and the
+    compressed K=V entries j < (p + 1) // cmp_ratio (mode 3) through `cmp_block_table`: at ratio 4 only
+    those `cmp_sparse_indices[t, 0]` lists (-1 pads), at 128 all. softmax(scale q.k) with the head's
+    sink an extra logit in the denominator; out = sum p k. No log-sum-exp output."""
+    _, N, D = q.shape
+    assert (
+        layout_q == "TND" and layout_kv == "PA_ND" and not return_softmax_lse and ori_sparse_indices is None
+    )
+    assert q.dtype == torch.bfloat16 and N == 64 and D == 512 and ori_win_left == 127 and ori_win_right == 0
+    assert ori_mask_mode == 4 and cmp_mask_mode == 3 and sinks.dtype == torch.float32 and sinks.shape == (N,)
+    assert metadata is not None and metadata.dtype == torch.int32 and metadata.shape == (1024,)
+    for kv in (ori_kv, cmp_kv):
+        if kv is not None:
+            assert kv.dim() == 4 and kv.shape[2:] == (1, D) and kv.shape[1] % 16 == 0 and kv.shape[1] <= 1024
+    assert (cmp_kv is None) == (cmp_ratio == 0) and cmp_ratio in (0, 4, 128)
+    assert (cmp_sparse_indices is not None) == (cmp_ratio == 4)
+    out = torch.empty_like(q)
+    for b in range(cu_seqlens_q.numel() - 1):
+        q0, q1, used = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_kv[b])
+        for t in range(q0, q1):
+            p = used - (q1 - t)
+            pos = torch.arange(max(0, p - ori_win_left), min(used, p + ori_win_right + 1))
+            size = ori_kv.shape[1]
+            keys = [ori_kv[ori_block_table[b, pos // size].long(), pos % size, 0]]
+            if cmp_ratio:
+                visible, size = (p + 1) // cmp_ratio, cmp_kv.shape[1]
+                if cmp_ratio == 4:
+                    j = cmp_sparse_indices[t, 0].long()
+                    j = j[j >= 0]
+                    assert bool((j < visible).all()), "an index past the causal limit"
+                else:
+                    j = torch.arange(visible)
+                keys.append(cmp_kv[cmp_block_table[b, j // size].long(), j % size, 0])
+            k = torch.cat(keys).float()  # (keys, D): K = V
+            scores = (q[t].float() @ k.T) * softmax_scale  # (N, keys)
+            sink = sinks[:, None]
+            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            weights = (scores - top).exp()
+            weights = weights / (weights.sum(-1, keepdim=True) + (sink - top).exp())
+            out[t] = (weights @ k).to(q.dtype)
+    return out, None
+
+
+def fake_sparse_attn_sharedkv_metadata(
+    num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, seqused_kv=None, batch_size=0, max_seqlen_q=0,
+    max_seqlen_kv=0, ori_topk=0, cmp_topk=0, cmp_ratio=4, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=128,
+    ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", has_ori_kv=True, has_cmp_kv=True, device="npu",
+):  # fmt: skip
+    """The attention's tiling (AICPU): an int32 [1024] tensor; here its arguments' consistency only."""
+    assert num_heads_q == 64 and num_heads_kv == 1 and head_dim == 512 and has_ori_kv
+    assert cu_seqlens_q.numel() == batch_size + 1 and seqused_kv.shape == (batch_size,)
+    assert seqused_kv.dtype == cu_seqlens_q.dtype == torch.int32 and int(seqused_kv.max()) <= max_seqlen_kv
+    assert cmp_topk == (512 if cmp_ratio == 4 and has_cmp_kv else 0) and ori_topk == 0
+    return torch.zeros(1024, dtype=torch.int32)
+
+
 # ops of a custom-op library (vllm-ascend's `torch.ops._C_ascend`), not of torch_npu itself
-CUSTOM = {"npu_hc_pre_v2": fake_hc_pre_v2, "npu_hc_post": fake_hc_post}
+CUSTOM = {
+    "npu_hc_pre_v2": fake_hc_pre_v2,
+    "npu_hc_post": fake_hc_post,
+    "npu_sparse_attn_sharedkv": fake_sparse_attn_sharedkv,
+    "npu_sparse_attn_sharedkv_metadata": fake_sparse_attn_sharedkv_metadata,
+}
 
 FAKES = {
     "npu_dynamic_quant": fake_dynamic_quant,

@@ -83,6 +83,7 @@ class Case:
             entries={r: self.tables.table(pool_of(r)) for r in ratios},
             states={r: self.tables.table(f"{pool_of(r)}_state") for r in ratios},
             state_sentinels={r: self.cache.state_sentinel[f"{pool_of(r)}_state"] for r in ratios},
+            page_size=self.engine.page_size,
         )
 
 

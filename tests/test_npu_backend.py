@@ -66,7 +66,8 @@ def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> Non
     mapped = {f for f in names if _family(ops, f) is not _family(REFERENCE, f)}
     assert mapped == set(FAMILY_OPS)
     assert mapped == {"linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4.rope", "dsv4.q_norm_rope",
-                      "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post"}  # fmt: skip
+                      "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post",
+                      "dsv4.sparse_attention"}  # fmt: skip
 
 
 @pytest.mark.parametrize("op", NPU_OPS)
@@ -197,6 +198,57 @@ def test_decode_steps_captured_as_npu_graphs_give_the_references_tokens(
     assert max(compare(w, g) for w, g in zip(want, got, strict=True)) <= 1e-5
     assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"
     assert sum(g.graph.graph.replays for g in runner.graphs.graphs.values()) > 0  # type: ignore[union-attr]
+
+
+def _visible_picks(case: Any, gen: torch.Generator, topk: int) -> torch.Tensor:
+    """(T, topk) random distinct visible ratio-4 entries per token, in index order, -1 padded."""
+    positions = case.batch.positions.tolist()
+    out = torch.full((len(positions), topk), -1, dtype=torch.int32)
+    for t, p in enumerate(positions):
+        visible = (p + 1) // 4
+        chosen = torch.randperm(visible, generator=gen)[: min(topk, visible)].sort().values
+        out[t, : chosen.numel()] = chosen.to(torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("poison", [False, True])
+def test_sparse_attention_on_its_custom_op_is_the_reference(
+    fake_npu: dict[str, int], ratio: int, poison: bool
+) -> None:
+    """DeepSeek-V4's attention at the op's dimensions (64 heads of 512, window 128, bf16, pages of 16) over
+    real pools and tables (cached prefixes over earlier steps, evicted window pages, stale rows; with
+    `poison`, every slot no query may read holds NaN / inf): the npu backend's call of
+    `npu_sparse_attn_sharedkv` (block tables from the slot tables, each token its own batch entry) gives
+    the reference's output."""
+    from kernel_cases import kernel_model, make_case, pool_of
+
+    cfg = kernel_model(
+        num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, sliding_window=128,
+        compress_ratios=[0, 4, 128], o_groups=8, index_topk=512,
+    )  # fmt: skip
+    case = make_case(
+        7, [(300, 3), (0, 140), (255, 2)], page_size=16, dtype="bfloat16", poison=poison, cfg=cfg
+    )
+    layer = cfg.compress_ratios.index(ratio)
+    gen = torch.Generator().manual_seed(3)
+    T = case.batch.num_tokens
+    q = (torch.randn(T, 64, 512, generator=gen) * 4).to(torch.bfloat16)  # peaked: each key's weight shows
+    sinks = torch.randn(64, generator=gen)
+    swa = case.buffer("swa", layer)
+    cmp = case.buffer(pool_of(ratio), layer) if ratio else None
+    picks = _visible_picks(case, gen, 300) if ratio == 4 else None
+    got = select("npu").dsv4.sparse_attention(q, swa, cmp, picks, case.fused, sinks, 512**-0.5, ratio)
+    assert fake_npu["npu_sparse_attn_sharedkv"] == 1
+    fp32 = [None if t is None else t.float() for t in (q, swa, cmp)]  # the reference in fp32
+    want = REFERENCE.dsv4.sparse_attention(
+        fp32[0], fp32[1], fp32[2], picks, case.ref, sinks, 512**-0.5, ratio
+    )
+    assert got.dtype == torch.bfloat16 and not want.isnan().any()
+    torch.testing.assert_close(
+        got.float(), want, rtol=2e-2, atol=2e-2
+    )  # bf16 rounding of out, then of its rope
+    assert (got.float() - want).abs().mean() < 2e-3
 
 
 def test_cpu_backend_does_not_import_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ class StepTables:
     entries: dict[int, torch.Tensor]  # ratio -> (rows, L // r + 1) compressed index -> entry slot
     states: dict[int, torch.Tensor]  # ratio -> (rows, L) raw position -> compressor-state slot
     state_sentinels: dict[int, int]  # ratio -> the state pool's padding slot (padding writes land there)
+    page_size: int = 0  # slots of a page (slot = page * page_size + index % page_size); 0: not given
 
 
 @dataclass(frozen=True)

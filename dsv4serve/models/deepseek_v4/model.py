@@ -206,6 +206,7 @@ def _cache_handles(cfg: DeepseekV4Config, ctx: ModelContext) -> tuple[StepTables
         entries={r: tables.table(pool) for r, pool in pools.items()},
         states={r: tables.table(f"{pool}_state") for r, pool in pools.items()},
         state_sentinels={r: cache.state_sentinel[f"{pool}_state"] for r, pool in pools.items()},
+        page_size=ctx.engine.page_size,
     )
     flat = {name: cache.flat(name) for name in cache.buffers}
 

@@ -1,0 +1,102 @@
+"""DeepSeek-V4's sparse shared-KV attention on Ascend: the custom op `npu_sparse_attn_sharedkv` (with its
+tiling op `npu_sparse_attn_sharedkv_metadata`) behind the contract of `attention/dsv4.sparse_attention`.
+
+The ops come from a custom-op library (vllm-ascend's `_C_ascend`, SGLang's `custom`; Atlas A2 / A3). The
+documented contract (`../reference` notes, hicann ops-transformer's
+`experimental/attention/sparse_attn_sharedkv/README.md`): one shared K=V head of 512, 64 query heads, TND
+queries (`cu_seqlens_q`) right-aligned to each batch entry's `seqused_kv`; the raw K=V paged as
+[blocks, block_size, 1, 512] with an int32 block table, read over the band [p - ori_win_left, p]
+(`ori_mask_mode` 4; only 127 left is supported); compressed K=V (ratio 4 or 128) paged likewise, entry j
+visible iff j < (p + 1) // ratio (`cmp_mask_mode` 3), at ratio 4 only the entries `cmp_sparse_indices`
+(T, 1, 512) lists (-1 pads), at 128 every visible one; `sinks` (fp32, one per head) an extra logit in
+the softmax's denominator; block size a multiple of 16 up to 1,024.
+
+Each token is one batch entry here (cu_seqlens_q = 0..T, seqused_kv = its position + 1): the step's
+metadata carries no per-request spans, and a token's own entry gives the op the same band and causal
+limits. The block tables are the slot tables read at page starts (slot = page * page_size + offset).
+A call outside the contract (the tiny test models, fp32, a page size not a multiple of 16) takes the
+reference. The output's rope slice is rotated back by the reference's `rope`. **Never run on an Ascend
+NPU.**
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dsv4serve.attention import dsv4
+from dsv4serve.attention.step import StepMeta
+
+HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
+MASK_BAND, MASK_CAUSAL = 4, 3
+
+
+def supported(q: torch.Tensor, meta: StepMeta, ratio: int) -> bool:
+    page = meta.tables.page_size
+    return (
+        q.dtype == torch.bfloat16
+        and q.shape[1:] == (HEADS, HEAD_DIM)
+        and meta.sliding_window == WINDOW
+        and ratio in (0, 4, 128)
+        and page > 0
+        and page % 16 == 0
+        and page <= 1024
+    )
+
+
+def block_table(table: torch.Tensor, rows: torch.Tensor, entries: int, page: int) -> torch.Tensor:
+    """(T, ceil(entries / page)) int32: the page of each token's request holding its entries
+    [i * page, (i + 1) * page), read off the slot table at each page's first index."""
+    starts = torch.arange(0, max(entries, 1), page, device=table.device)
+    return (table[rows[:, None], starts[None, :]] // page).to(torch.int32)
+
+
+def npu_sparse_attention(
+    q: torch.Tensor,
+    swa: torch.Tensor,
+    compressed: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    meta: StepMeta,
+    sinks: torch.Tensor,
+    scale: float,
+    ratio: int,
+    *,
+    op: Callable[..., Any],
+    metadata_op: Callable[..., Any],
+) -> torch.Tensor:
+    """Shared-K=V attention over each query's window and compressed entries, with sinks: (T, H, D)."""
+    if not supported(q, meta, ratio):
+        return dsv4.sparse_attention(q, swa, compressed, indices, meta, sinks, scale, ratio)
+    T, page, device = q.shape[0], meta.tables.page_size, q.device
+    rows, positions = meta.token_row, meta.positions
+    cu_seqlens_q = torch.arange(T + 1, dtype=torch.int32, device=device)
+    seqused_kv = (positions + 1).to(torch.int32)
+    longest = meta.tables.window.shape[1]  # raw positions a row addresses
+    paged = {"ori_kv": swa.view(-1, page, 1, HEAD_DIM)}
+    paged["ori_block_table"] = block_table(meta.tables.window, rows, longest, page)
+    cmp_topk = 0
+    if ratio:
+        assert compressed is not None
+        entries = meta.tables.entries[ratio]
+        paged["cmp_kv"] = compressed.view(-1, page, 1, HEAD_DIM)
+        paged["cmp_block_table"] = block_table(entries, rows, entries.shape[1], page)
+        if ratio == 4:
+            assert indices is not None and indices.shape[1] <= TOPK
+            picks = torch.full((T, 1, TOPK), -1, dtype=torch.int32, device=device)
+            picks[:, 0, : indices.shape[1]] = indices.to(torch.int32)
+            paged["cmp_sparse_indices"] = picks
+            cmp_topk = TOPK
+    shape: dict[str, Any] = {"cmp_ratio": ratio, "ori_mask_mode": MASK_BAND, "cmp_mask_mode": MASK_CAUSAL}
+    shape |= {"ori_win_left": WINDOW - 1, "ori_win_right": 0, "layout_q": "TND", "layout_kv": "PA_ND"}
+    metadata = metadata_op(
+        HEADS, 1, HEAD_DIM, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, batch_size=T,
+        max_seqlen_q=1, max_seqlen_kv=longest, ori_topk=0, cmp_topk=cmp_topk, has_ori_kv=True,
+        has_cmp_kv=ratio > 0, device=str(device), **shape,
+    )  # fmt: skip
+    out, _ = op(
+        q, **paged, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, sinks=sinks.float(),
+        metadata=metadata, softmax_scale=scale, return_softmax_lse=False, **shape,
+    )  # fmt: skip
+    return dsv4.rope(out, meta, ratio > 0, inverse=True)
