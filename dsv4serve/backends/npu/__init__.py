@@ -103,6 +103,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
             npu_sparse_attention,
             op=found["npu_sparse_attn_sharedkv"],
             metadata_op=found["npu_sparse_attn_sharedkv_metadata"],
+            memo={},
         ),
     }
     families: dict[str, Any] = {}

@@ -65,6 +65,7 @@ def npu_sparse_attention(
     *,
     op: Callable[..., Any],
     metadata_op: Callable[..., Any],
+    memo: dict[int, tuple[StepMeta, Any]] | None = None,
 ) -> torch.Tensor:
     """Shared-K=V attention over each query's window and compressed entries, with sinks: (T, H, D)."""
     if not supported(q, meta, ratio):
@@ -90,11 +91,15 @@ def npu_sparse_attention(
             cmp_topk = TOPK
     shape: dict[str, Any] = {"cmp_ratio": ratio, "ori_mask_mode": MASK_BAND, "cmp_mask_mode": MASK_CAUSAL}
     shape |= {"ori_win_left": WINDOW - 1, "ori_win_right": 0, "layout_q": "TND", "layout_kv": "PA_ND"}
-    metadata = metadata_op(
-        HEADS, 1, HEAD_DIM, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, batch_size=T,
-        max_seqlen_q=1, max_seqlen_kv=longest, ori_topk=0, cmp_topk=cmp_topk, has_ori_kv=True,
-        has_cmp_kv=ratio > 0, device=str(device), **shape,
-    )  # fmt: skip
+    memo = {} if memo is None else memo
+    if ratio not in memo or memo[ratio][0] is not meta:  # once per step and ratio: every layer shares it
+        metadata = metadata_op(
+            HEADS, 1, HEAD_DIM, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, batch_size=T,
+            max_seqlen_q=1, max_seqlen_kv=longest, ori_topk=0, cmp_topk=cmp_topk, has_ori_kv=True,
+            has_cmp_kv=ratio > 0, device=str(device), **shape,
+        )  # fmt: skip
+        memo[ratio] = (meta, metadata)
+    metadata = memo[ratio][1]
     out, _ = op(
         q, **paged, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, sinks=sinks.float(),
         metadata=metadata, softmax_scale=scale, return_softmax_lse=False, **shape,
