@@ -244,6 +244,46 @@ CUSTOM = {
     "npu_sparse_attn_sharedkv_metadata": fake_sparse_attn_sharedkv_metadata,
 }
 
+
+def fake_lightning_indexer(
+    query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None,
+    layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3, pre_tokens=2**63 - 1,
+    next_tokens=2**63 - 1, return_value=False,
+):  # fmt: skip
+    """`torch_npu.npu_lightning_indexer` (op-plugin doc, ops-transformer `attention/lightning_indexer`
+    README): per query token the `sparse_count` largest sum_g W[g] * relu(Q[g] . K[j]) over the keys its
+    causal limit allows (sparse_mode 3: query i of a batch entry's S1 sees keys j <= S2 - S1 + i);
+    query (T, 64, 128) and weights (T, 64) of one dtype (fp16 / bf16), keys PA_BSND (blocks, block_size,
+    1, 128) through `block_table`; TND: `actual_seq_lengths_query` cumulative ends, the keys' per entry.
+    Returns int32 (T, 1, sparse_count), -1 padded (highest score first; the doc states no tie order:
+    here the lower index), and the values when asked."""
+    T, N, D = query.shape
+    assert layout_query == "TND" and layout_key == "PA_BSND" and sparse_mode == 3 and N == 64 and D == 128
+    assert query.dtype in (torch.float16, torch.bfloat16) and weights.dtype == query.dtype == key.dtype
+    assert (
+        weights.shape == (T, N)
+        and key.dim() == 4
+        and key.shape[2:] == (1, D)
+        and block_table.dtype == torch.int32
+    )
+    assert actual_seq_lengths_query.dtype == actual_seq_lengths_key.dtype == torch.int32
+    out = torch.full((T, 1, sparse_count), -1, dtype=torch.int32)
+    size, start = key.shape[1], 0
+    for b, end in enumerate(actual_seq_lengths_query.tolist()):
+        length = int(actual_seq_lengths_key[b])
+        for i, t in enumerate(range(start, end)):
+            seen = length - (end - start) + i + 1  # keys 0 .. seen - 1
+            if seen <= 0:
+                continue
+            j = torch.arange(seen)
+            k = key[block_table[b, j // size].long(), j % size, 0].float()  # (seen, D)
+            score = (torch.relu(query[t].float() @ k.T) * weights[t].float()[:, None]).sum(0)
+            order = torch.sort(score, descending=True, stable=True).indices[:sparse_count]
+            out[t, 0, : order.numel()] = order.to(torch.int32)
+        start = end
+    return out, torch.empty(0)
+
+
 FAKES = {
     "npu_dynamic_quant": fake_dynamic_quant,
     "npu_quant_matmul": fake_quant_matmul,
@@ -253,6 +293,7 @@ FAKES = {
     "npu_moe_gating_top_k": fake_gating_top_k,
     "npu_rms_norm": fake_rms_norm,
     "npu_rotary_mul": fake_rotary_mul,
+    "npu_lightning_indexer": fake_lightning_indexer,
     **CUSTOM,
 }
 

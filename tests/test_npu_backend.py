@@ -67,7 +67,7 @@ def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> Non
     assert mapped == set(FAMILY_OPS)
     assert mapped == {"linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4.rope", "dsv4.q_norm_rope",
                       "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post",
-                      "dsv4.sparse_attention"}  # fmt: skip
+                      "dsv4.sparse_attention", "dsv4.indexer_topk"}  # fmt: skip
 
 
 @pytest.mark.parametrize("op", NPU_OPS)
@@ -249,6 +249,33 @@ def test_sparse_attention_on_its_custom_op_is_the_reference(
         got.float(), want, rtol=2e-2, atol=2e-2
     )  # bf16 rounding of out, then of its rope
     assert (got.float() - want).abs().mean() < 2e-3
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_indexer_on_npu_lightning_indexer_picks_the_references_entries(
+    fake_npu: dict[str, int], poison: bool
+) -> None:
+    """The lightning indexer at the op's dimensions (64 heads of 128, bf16, pages of 16) over real pools
+    and tables (a token with no visible entry, tokens with more than top-k): the same entries, in the
+    same order, as the reference given the head weights the op takes (fp32 weights x scale, in bf16)."""
+    from kernel_cases import kernel_model, make_case
+
+    cfg = kernel_model(
+        index_n_heads=64, index_head_dim=128, index_topk=16, compress_ratios=[0, 4, 16], sliding_window=128
+    )
+    case = make_case(8, [(300, 3), (0, 70), (2, 1)], page_size=16, dtype="bfloat16", poison=poison, cfg=cfg)
+    layer = cfg.compress_ratios.index(4)
+    gen = torch.Generator().manual_seed(5)
+    T = case.batch.num_tokens
+    q = torch.randn(T, 64, 128, generator=gen).to(torch.bfloat16)
+    head_w = torch.randn(T, 64, generator=gen)
+    keys = case.buffer("c4_index", layer)
+    got = select("npu").dsv4.indexer_topk(q, head_w, keys, case.fused, 16, 128**-0.5)
+    assert fake_npu["npu_lightning_indexer"] == 1
+    rounded = (head_w * 128**-0.5).to(torch.bfloat16).float()  # what the op is given
+    want = REFERENCE.dsv4.indexer_topk(q, rounded, keys, case.ref, 16, 1.0)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert (want[-1] == -1).all() and (want[:3] >= 0).all()  # position 2: nothing visible; 300+: all 16
 
 
 def test_cpu_backend_does_not_import_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:

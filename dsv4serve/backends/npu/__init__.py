@@ -19,7 +19,7 @@ import torch
 
 from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
-from dsv4serve.backends.npu.attention import npu_sparse_attention
+from dsv4serve.backends.npu.attention import npu_indexer_topk, npu_sparse_attention
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
@@ -31,8 +31,8 @@ from dsv4serve.config import ConfigError
 
 # Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
 # builds differ by CANN version; `npu_find_op` says where each is looked for); a family whose ops are
-# missing runs the reference, one warning naming them. The others (DeepSeek-V4's compressor and
-# indexer, GLM's MLA) run the reference for now.
+# missing runs the reference, one warning naming them. The others (DeepSeek-V4's compressor, GLM's
+# MLA) run the reference for now.
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "linear": ("npu_dynamic_quant", "npu_quant_matmul"),
     "routed_experts": (
@@ -49,6 +49,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "dsv4.hc_pre": ("npu_hc_pre_v2", "npu_rms_norm"),
     "dsv4.hc_post": ("npu_hc_post",),
     "dsv4.sparse_attention": ("npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata"),
+    "dsv4.indexer_topk": ("npu_lightning_indexer",),
 }
 # Custom-op libraries (not stock torch_npu) an op may come from, as torch.ops namespaces: vllm-ascend's
 # `_C_ascend` (its csrc build) and SGLang's Ascend kernels' `custom`; each needs that package installed
@@ -105,6 +106,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
             metadata_op=found["npu_sparse_attn_sharedkv_metadata"],
             memo={},
         ),
+        "dsv4.indexer_topk": partial(npu_indexer_topk, op=found["npu_lightning_indexer"]),
     }
     families: dict[str, Any] = {}
     for family, ops in FAMILY_OPS.items():

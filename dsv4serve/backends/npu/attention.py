@@ -105,3 +105,46 @@ def npu_sparse_attention(
         metadata=metadata, softmax_scale=scale, return_softmax_lse=False, **shape,
     )  # fmt: skip
     return dsv4.rope(out, meta, ratio > 0, inverse=True)
+
+
+INDEX_HEADS, INDEX_DIM, INDEX_MAX_TOPK = 64, 128, 2048
+
+
+def npu_indexer_topk(
+    q: torch.Tensor,
+    head_w: torch.Tensor,
+    keys: torch.Tensor,
+    meta: StepMeta,
+    topk: int,
+    scale: float,
+    *,
+    op: Callable[..., Any],
+) -> torch.Tensor:
+    """The lightning indexer on torch_npu's `npu_lightning_indexer` (op-plugin doc; ops-transformer's
+    `attention/lightning_indexer` README): per query the `sparse_count` highest sum_h w_h relu(q_h . k)
+    over the keys its causal limit allows (`sparse_mode` 3, queries right-aligned), int32 (T, 1, count),
+    -1 padded; query and weights of one dtype (bf16 / fp16), 64 query heads of 128, one key head, keys
+    paged [blocks, block_size, 1, 128]. Each token is one batch entry whose key length is its visible
+    ratio-4 entries, (position + 1) // 4, so right-aligned causality is the engine's visibility. The
+    weights are the reference's fp32 head weights times `scale`, rounded to q's dtype (the op's
+    contract: picks may differ from the reference's where two scores lie within that rounding). The op
+    documents no tie order; the picks come back in the contract's index order, -1 last. Outside the
+    op's limits: the reference. **Never run on an Ascend NPU.**"""
+    page = meta.tables.page_size
+    fits = q.dtype in (torch.bfloat16, torch.float16) and q.shape[1:] == (INDEX_HEADS, INDEX_DIM)
+    if not (fits and topk <= INDEX_MAX_TOPK and page > 0 and page % 16 == 0 and page <= 1024):
+        return dsv4.indexer_topk(q, head_w, keys, meta, topk, scale)
+    T, device = q.shape[0], q.device
+    entries = meta.tables.entries[4]
+    visible = ((meta.positions + 1) // 4).to(torch.int32)
+    picks, _ = op(
+        q, keys.view(-1, page, 1, INDEX_DIM), (head_w.float() * scale).to(q.dtype),
+        actual_seq_lengths_query=torch.arange(1, T + 1, dtype=torch.int32, device=device),
+        actual_seq_lengths_key=visible,
+        block_table=block_table(entries, meta.token_row, entries.shape[1], page),
+        layout_query="TND", layout_key="PA_BSND", sparse_count=topk, sparse_mode=3,
+    )  # fmt: skip
+    picks = picks.view(T, topk)
+    big = torch.iinfo(torch.int32).max
+    ordered = torch.where(picks >= 0, picks, big).sort(dim=-1).values[:, : min(topk, meta.num_entries[4])]
+    return torch.where(ordered == big, -1, ordered).int()
