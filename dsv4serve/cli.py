@@ -309,6 +309,13 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-certfile", default=None, help="--http: serve HTTPS with this certificate (PEM)")
     p.add_argument("--ssl-keyfile", default=None, help="--http: the certificate's private key (PEM)")
     p.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="--http: a stream's tokens per chunk after its first (fewer writes under many streams)",
+    )
+    p.add_argument(
         "--drain-grace-s",
         type=_positive_float,
         default=30.0,
@@ -344,6 +351,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key or None,
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
+            stream_interval=args.stream_interval,
         )
         return run_http(options, http)
     return stdio.run(options, args.drain_grace_s)

@@ -482,3 +482,23 @@ def test_a_choices_tokens_that_arrived_together_go_in_one_chunk() -> None:
     assert _merged([(0, a1), (0, a2), (0, a3)]) == [(0, joined)]
     assert _merged([(0, a1), (1, b1), (0, a2)]) == [(0, a1), (1, b1), (0, a2)]
     assert _merged([]) == []
+
+
+def test_stream_interval_holds_a_choices_tokens_after_its_first() -> None:
+    """`--stream-interval 3`: each choice's first token passes at once, later ones go three at a time
+    as one event, and a choice's end releases what it holds, before the end."""
+    from dsv4serve.http.app import _Held
+    from dsv4serve.protocol import DoneEvent, Timing, TokenEvent, Usage
+
+    def tok(rid: str, i: int) -> TokenEvent:
+        return TokenEvent(id=rid, token_ids=(i,), text=str(i))
+
+    held = _Held(3)
+    assert held.release([(0, tok("a", 1)), (1, tok("b", 1))]) == [(0, tok("a", 1)), (1, tok("b", 1))]
+    assert held.release([(0, tok("a", 2)), (0, tok("a", 3))]) == []
+    three = TokenEvent(id="a", token_ids=(2, 3, 4), text="234")
+    assert held.release([(0, tok("a", 4)), (1, tok("b", 2))]) == [(0, three)]
+    usage, timing = Usage(prompt_tokens=1, completion_tokens=2), Timing(ttft_ms=1, total_ms=1)
+    done = DoneEvent(id="b", finish_reason="length", token_ids=(1, 2), text="12", usage=usage, timing=timing)
+    assert held.release([(1, done)]) == [(1, tok("b", 2)), (1, done)]
+    assert _Held(1).release([(0, tok("a", 5))]) == [(0, tok("a", 5))]

@@ -56,6 +56,7 @@ class AppOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     api_key: str | None = None  # every /v1/* request then needs `Authorization: Bearer <key>`
+    stream_interval: int = 1  # a stream's tokens per chunk after its first (its end flushes the rest)
 
 
 class OpenAIApp:
@@ -280,11 +281,13 @@ class OpenAIApp:
     async def _stream(self, generation: Generation, out: Responder, stream: Stream) -> None:
         """Server-sent events, one per chunk; the chunks of every event that has arrived go out in one
         write, a choice's tokens that arrived together in one chunk (one chunk a token while the client
-        keeps up; fewer, larger ones when the writer falls behind the engine)."""
+        keeps up; fewer, larger ones when the writer falls behind the engine). With `stream_interval`
+        n > 1, a choice's tokens after its first wait until n are there (or it ends): fewer writes."""
+        held = _Held(self.options.stream_interval)
         try:
             async for batch in generation.batches():
                 events: list[object] = []
-                for index, event in _merged(batch):
+                for index, event in held.release(_merged(batch)):
                     if isinstance(event, ErrorEvent):
                         await out.sse(*events)
                         raise http_error(event.code, event.message)
@@ -303,6 +306,36 @@ class OpenAIApp:
 
 
 Indexed = tuple[int, TokenEvent | DoneEvent | ErrorEvent]
+
+
+class _Held:
+    """`stream_interval`: a choice's first token passes at once; later ones are held until `interval`
+    of them are there, and go as one event; an end (or an error) releases what its choice holds."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval, self.held, self.started = interval, dict[int, TokenEvent](), set[int]()
+
+    def release(self, batch: list[Indexed]) -> list[Indexed]:
+        if self.interval <= 1:
+            return batch
+        out: list[Indexed] = []
+        for index, event in batch:
+            if not isinstance(event, TokenEvent):
+                if (held := self.held.pop(index, None)) is not None:
+                    out.append((index, held))
+                out.append((index, event))
+            elif index not in self.started:
+                self.started.add(index)
+                out.append((index, event))
+            else:
+                held = self.held.get(index)
+                joined = event if held is None else _joined(held, event)
+                if len(joined.token_ids) >= self.interval:
+                    self.held.pop(index, None)
+                    out.append((index, joined))
+                else:
+                    self.held[index] = joined
+        return out
 
 
 def _merged(batch: list[Indexed]) -> list[Indexed]:

@@ -58,6 +58,7 @@ class HttpOptions:
     api_key: str | None = None  # every /v1/* request needs it as a bearer token
     ssl_certfile: str | None = None  # both: HTTPS (hypercorn's own TLS)
     ssl_keyfile: str | None = None
+    stream_interval: int = 1  # a stream's tokens per chunk after its first (`AppOptions`)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ async def serve_http(
             max_model_len=handle.max_model_len,
             max_body_bytes=http.max_body_bytes,
             api_key=http.api_key,
+            stream_interval=http.stream_interval,
         )
         template = spec_for(handle.model.model_type).chat_template(options.model_dir)
         app = OpenAIApp(handle, template, app_options)
