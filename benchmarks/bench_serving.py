@@ -213,7 +213,8 @@ def over_http(model: Path, args: argparse.Namespace, vocab: int, single: bool) -
     port = _free_port()
     argv = [sys.executable, "-m", "dsv4serve", "serve", "--http", "--model", str(model), "--port", str(port)]
     argv += [f"--{k.replace('_', '-')}={v}" for k, v in knobs(args, max(args.concurrency)).items()]
-    argv += ["--log-level", "warning", "--served-model-name", "m"] + (["--single-process"] if single else [])
+    argv += ["--log-level", args.server_log_level, "--served-model-name", "m"]
+    argv += ["--single-process"] if single else []
     proc = subprocess.Popen(argv)
     out: dict[str, Any] = {}
     try:
@@ -224,6 +225,7 @@ def over_http(model: Path, args: argparse.Namespace, vocab: int, single: bool) -
                 jobs = [(port, batch[i :: args.client_procs], 0) for i in range(args.client_procs)]
                 runs = []
                 for new in (1 + args.steps, 1, 1 + args.steps):
+                    log(f"run: http {n} streams, {new} tokens")  # marks the server's log lines after it
                     begin = time.perf_counter()
                     got = pool.map(client_proc, [(p, b, new) for p, b, _ in jobs if b])
                     runs.append((time.perf_counter() - begin, [s for part in got for s in part]))
@@ -271,6 +273,9 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=8)
     parser.add_argument("--cache", default=os.environ.get("DSV4SERVE_CACHE", "/tmp/dsv4serve-bench"))
     parser.add_argument("--skip-single", action="store_true", help="no `--single-process` server")
+    parser.add_argument(
+        "--server-log-level", default="warning", help="info: the server's graph captures among the runs"
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU: checks the flow")
     args = parser.parse_args()

@@ -12,9 +12,11 @@ decides which steps replay which graph.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from dsv4serve.attention.metadata import ForwardBatch
@@ -23,6 +25,7 @@ from dsv4serve.executor.inputs import SamplingFlags, StepLayout, StepShape, pack
 from dsv4serve.executor.sampling import SamplingBatch
 from dsv4serve.protocol import MAX_TOP_LOGPROBS, StepItem
 
+_LOG = structlog.get_logger().bind(actor="executor")
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 MIN_CONTEXT = 256
 CONTEXT_STEP_UNTIL = 32768
@@ -129,9 +132,12 @@ class DecodeGraphs:
         (B, V) logits), valid until its next replay."""
         graph = self.graphs.get(key)
         if graph is None:
+            begin = time.perf_counter()
             graph = _Graph(key, self.ratios, self.device, self.backend)
             graph.capture(self.step, self.new_graph(self.device), self.pad_row)  # a failure caches nothing
             self.graphs[key] = graph
+            ms = round((time.perf_counter() - begin) * 1e3, 1)  # the step that met it waited this long
+            _LOG.info("graph_captured", batch=key.batch, context=key.context, ms=ms, graphs=len(self.graphs))
         graph.upload(items, seeds, self.pad_row)
         assert graph.graph is not None
         graph.graph.replay()
