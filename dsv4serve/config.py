@@ -103,6 +103,13 @@ class EngineConfig:
         "ranks that split the routed experts whole: 1 (each rank a slice of every expert) or TP x DP",
         positive=True,
     )
+    expert_dispatch: str = knob(
+        "gather",
+        "experts spread over data-parallel cores: every core's tokens all-gathered and the outputs "
+        "reduce-scattered (gather), or each token sent only to its experts' ranks (all_to_all; "
+        "tensor_parallel_size 1)",
+        choices=("gather", "all_to_all"),
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -117,6 +124,8 @@ class EngineConfig:
                 f"expert_parallel_size: {self.expert_parallel_size} must be 1 or tensor_parallel_size x "
                 f"data_parallel_size ({ranks})"
             )
+        if self.expert_dispatch == "all_to_all" and self.tensor_parallel_size > 1:
+            raise ConfigError("expert_dispatch: all_to_all needs tensor_parallel_size 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization: expected a number in (0, 1], got {self.gpu_memory_utilization!r}"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def _prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(2, 5000) for _ in range(n)] for n in (1, 9, 33, 70, 131, 150)]
 
 
-def _tokens(model: Path, tp: int, dp: int, ep: int, **knobs: int) -> tuple[list[tuple[int, ...]], int]:
+def _tokens(model: Path, tp: int, dp: int, ep: int, **knobs: Any) -> tuple[list[tuple[int, ...]], int]:
     """Greedy tokens of `_prompts(7)`, and how many preemptions the run had."""
     parallel = {"tensor_parallel_size": tp, "data_parallel_size": dp, "expert_parallel_size": ep}
     with Engine(model, **parallel, **knobs) as engine:
@@ -63,6 +64,7 @@ def test_ranks_give_one_process_tokens(family: str, tiny_model_dir: Path, glm_di
     layouts = LAYOUTS + ([(2, 2, 4)] if family == "deepseek_v4" else [])  # 4 ranks: 2 cores of 2
     for tp, dp, ep in layouts:
         assert _tokens(model, tp, dp, ep, **knobs)[0] == one, (tp, dp, ep)
+    assert _tokens(model, 1, 2, 2, expert_dispatch="all_to_all", **knobs)[0] == one, "all_to_all"
 
 
 def test_an_idle_core_joins_every_step(glm_dir: Path) -> None:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from dsv4serve import logs
 from dsv4serve.backends import rank_device, share_host
 from dsv4serve.config import EngineConfig
-from dsv4serve.layers.parallel import Shard
+from dsv4serve.layers.parallel import Experts, Route, Shard
 from dsv4serve.protocol import RankMsg, RankStop, SamplingParams, StepItem, StepPlan
 
 # A collective waiting longer fails (every group's; the first one after loading waits for the slowest
@@ -108,7 +108,9 @@ def join_group(engine: EngineConfig, collectives: str, place: Place) -> Joined:
         return Joined(Shard(place.tp_rank, tp, _all_reduce(tp_group), expert_parallel=ep))
     across = [dist.new_group([d * tp + t for d in range(dp)], timeout=limit) for t in range(tp)]
     leaders = dist.new_group([d * tp for d in range(dp)], backend="gloo", timeout=limit)
-    exchange = CoresExchange(across[place.tp_rank], tp_group, place.dp_rank, tp)
+    exchange: Any = CoresExchange(across[place.tp_rank], tp_group, place.dp_rank, tp)
+    if engine.expert_dispatch == "all_to_all":
+        exchange = AllToAllExchange()
     shard = Shard(
         place.tp_rank, tp, _all_reduce(tp_group), expert_parallel=True, expert_rank=me, expert_size=world,
         exchange=exchange,
@@ -136,6 +138,26 @@ class CoresExchange:
 
     def __init__(self, across: Any, tp_group: Any, core: int, tp: int) -> None:
         self.across, self.tp_group, self.core, self.tp = across, tp_group, core, tp
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()  # the expert group: every rank
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        cores_tokens: tuple[int, ...],
+        route: Route,
+        experts: Experts,
+        num_experts: int,
+    ) -> torch.Tensor:
+        """Every core's tokens routed here; this rank's experts over all of them (other ranks' choices
+        weighted 0 on local expert 0); the sums reduce-scattered back to their cores."""
+        if input_ids is None:
+            (xs,), ids_in = self.gather(cores_tokens, x), None
+        else:
+            xs, ids_in = self.gather(cores_tokens, x, input_ids)
+        weights, ids = route(xs, ids_in)
+        weights, ids = Shard(self.rank, self.size).local_routes(weights, ids, num_experts)
+        return self.combine(experts(xs, weights, ids), cores_tokens)
 
     def gather(self, cores_tokens: tuple[int, ...], *tensors: torch.Tensor) -> list[torch.Tensor]:
         n, most = cores_tokens[self.core], max(cores_tokens)
@@ -162,6 +184,48 @@ class CoresExchange:
             dist.all_gather_into_tensor(core, mine, group=self.tp_group)
             mine = core
         return mine[: cores_tokens[self.core]]
+
+
+class AllToAllExchange:
+    """`Exchange` by all-to-all (one rank per core, `expert_dispatch="all_to_all"`): each core routes its
+    own tokens, sends each (token, choice) pair's row only to the rank holding that expert (pairs
+    sorted by rank; the counts exchanged first, a host sync per layer), the ranks run their experts
+    over what they received, and the weighted rows go back the same way and are summed per token."""
+
+    def __init__(self) -> None:
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        cores_tokens: tuple[int, ...],
+        route: Route,
+        experts: Experts,
+        num_experts: int,
+    ) -> torch.Tensor:
+        weights, ids = route(x, input_ids)  # (T, k): this core's tokens only
+        per_rank = num_experts // self.size
+        k = ids.shape[1]
+        dest = (ids // per_rank).flatten()
+        order = torch.sort(dest, stable=True).indices  # pairs t * k + j, by destination rank
+        token = order // k
+        sends = torch.bincount(dest, minlength=self.size)
+        receives = torch.empty_like(sends)
+        dist.all_to_all_single(receives, sends)
+        out_split, in_split = sends.tolist(), receives.tolist()  # host-known split sizes
+        rows = self._swap(x[token], in_split, out_split)
+        local = self._swap((ids.flatten()[order] % per_rank)[:, None], in_split, out_split)
+        got_w = self._swap(weights.flatten()[order][:, None].contiguous(), in_split, out_split)
+        done = experts(rows, got_w, local)  # (received pairs, H): weighted
+        back = self._swap(done, out_split, in_split)
+        return torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
+
+    @staticmethod
+    def _swap(t: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), recv, send)
+        return out
 
 
 def agree_min(value: int, device: torch.device) -> int:

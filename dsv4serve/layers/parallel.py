@@ -29,15 +29,27 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+Route = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Exchange(Protocol):
-    """The MoE layers' traffic when the expert group spans the data-parallel cores (each with tokens of
-    its own), sized by every core's tokens this step (`ForwardBatch.cores_tokens`, host-known: no
-    host sync): `gather` gives every core's rows of each tensor (core order, no padding); `combine`
-    sums the experts' partial outputs over those rows across the expert group and gives this core's."""
+    """A MoE layer whose expert group spans the data-parallel cores (each with tokens of its own):
+    `moe` runs the router (`route`: tokens and their ids -> weights and global expert ids, (N, k)) and
+    this rank's experts (`experts`: rows, weights, ids local to the rank -> the weighted sum per row)
+    over tokens of every core, and gives back this core's rows of the whole MoE's output. How the
+    tokens travel is the implementation's (`executor/ranks.py`); `cores_tokens` is every core's tokens
+    this step (`ForwardBatch.cores_tokens`, host-known)."""
 
-    def gather(self, cores_tokens: tuple[int, ...], *tensors: torch.Tensor) -> list[torch.Tensor]: ...
-
-    def combine(self, partial: torch.Tensor, cores_tokens: tuple[int, ...]) -> torch.Tensor: ...
+    def moe(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        cores_tokens: tuple[int, ...],
+        route: Route,
+        experts: Experts,
+        num_experts: int,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

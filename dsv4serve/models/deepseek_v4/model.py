@@ -167,27 +167,29 @@ class DeepseekV4:
     def _moe(self, x: torch.Tensor, w: MoEWeights, batch: ForwardBatch) -> torch.Tensor:
         cfg, sh = self.cfg, self.shard
         softmax = cfg.scoring_func == "softmax"
-        tokens = (x, batch.input_ids)
-        if sh.exchange is not None:  # every data-parallel core's tokens (the expert group spans them)
-            xs, input_ids = sh.exchange.gather(batch.cores_tokens, x, batch.input_ids)
-            tokens = (xs, input_ids)
-        weights, ids = self.ops.gating_top_k(
-            self.ops.linear(tokens[0], w.gate),  # (N, E) logits in x's dtype
-            cfg.num_experts_per_tok,
-            bias=w.bias,
-            input_ids=tokens[1] if w.tid2eid is not None else None,
-            tid2eid=w.tid2eid,
-            norm_type=SCORINGS.index(cfg.scoring_func),
-            routed_scaling_factor=1.0 if softmax else cfg.routed_scaling_factor,
-        )
-        if softmax:  # the op never renormalizes softmax weights; DSV4 renormalizes every score function
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
-        weights, ids = sh.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
+
+        def route(xs: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            weights, ids = self.ops.gating_top_k(
+                self.ops.linear(xs, w.gate),  # (N, E) logits in x's dtype
+                cfg.num_experts_per_tok,
+                bias=w.bias,
+                input_ids=input_ids if w.tid2eid is not None else None,
+                tid2eid=w.tid2eid,
+                norm_type=SCORINGS.index(cfg.scoring_func),
+                routed_scaling_factor=1.0 if softmax else cfg.routed_scaling_factor,
+            )
+            if softmax:  # the op never renormalizes softmax weights; DSV4 renormalizes every score function
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+            return weights, ids
+
+        def experts(xs: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return self.ops.routed_experts(xs, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit)
+
         if sh.exchange is None:  # the expert group is the tensor-parallel group
+            weights, ids = sh.local_routes(*route(x, batch.input_ids), cfg.n_routed_experts)
             routed = self.ops.routed_experts(x, weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit, w.shared)
             return sh.reduce(routed)
-        routed = self.ops.routed_experts(tokens[0], weights, ids, w.w1, w.w2, w.w3, cfg.swiglu_limit)
-        out = sh.exchange.combine(routed, batch.cores_tokens)
+        out = sh.exchange.moe(x, batch.input_ids, batch.cores_tokens, route, experts, cfg.n_routed_experts)
         if w.shared is None:
             return out
         return out + sh.reduce(swiglu(x, *w.shared, limit=cfg.swiglu_limit, matmul=self.ops.linear))

@@ -145,26 +145,27 @@ class Glm4MoeLite:
         if w.gate_up_down is not None:
             return self.shard.reduce(swiglu(x, *w.gate_up_down, limit=math.inf, matmul=ops.linear))
         assert w.router is not None and w.experts is not None
-        sh = self.shard
-        xs = (
-            sh.exchange.gather(cores_tokens, x)[0] if sh.exchange is not None else x
-        )  # every DP core's tokens
-        weights, ids = ops.gating_top_k(
-            torch.nn.functional.linear(xs.float(), w.router),  # (N, E) fp32 logits (the router kept in fp32)
-            cfg.num_experts_per_tok,
-            bias=w.bias,
-            k_group=cfg.topk_group,
-            group_count=cfg.n_group,
-            group_select_mode=1,
-            norm_type=1,
-            routed_scaling_factor=cfg.routed_scaling_factor,
-        )
-        weights, ids = sh.local_routes(weights, ids, cfg.n_routed_experts)  # this rank's experts
+        sh, router, routed_w = self.shard, w.router, w.experts
+
+        def route(xs: torch.Tensor, _: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.gating_top_k(
+                torch.nn.functional.linear(xs.float(), router),  # (N, E) fp32 logits (the router in fp32)
+                cfg.num_experts_per_tok,
+                bias=w.bias,
+                k_group=cfg.topk_group,
+                group_count=cfg.n_group,
+                group_select_mode=1,
+                norm_type=1,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+            )
+
+        def experts(xs: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return ops.routed_experts(xs, weights.to(xs.dtype), ids, *routed_w, math.inf)
+
         if sh.exchange is None:  # the expert group is the tensor-parallel group
+            weights, ids = sh.local_routes(*route(x, None), cfg.n_routed_experts)
             return sh.reduce(ops.routed_experts(x, weights.to(x.dtype), ids, *w.experts, math.inf, w.shared))
-        out = sh.exchange.combine(
-            ops.routed_experts(xs, weights.to(x.dtype), ids, *w.experts, math.inf), cores_tokens
-        )
+        out = sh.exchange.moe(x, None, cores_tokens, route, experts, cfg.n_routed_experts)
         if w.shared is None:
             return out
         return out + sh.reduce(swiglu(x, *w.shared, limit=math.inf, matmul=ops.linear))
