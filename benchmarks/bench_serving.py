@@ -4,9 +4,11 @@ in the same run (issue 29): per decode step, TTFT and inter-token latency percen
 A checkpoint of DeepSeek-V4 dimensions (`--layers`, `--experts`; random bf16 weights, written once to
 `--cache`) is served three ways: `Engine.generate` in this process, `serve --http` (the engine core in
 its own process, the default) and `serve --http --single-process`. For each concurrency N, N random
-prompts of `--prompt-len` token ids run twice, with 1 and with 1 + `--steps` new tokens (greedy,
-`ignore_eos`): per decode step = (T(1 + steps) - T(1)) / steps. HTTP clients are `--client-procs`
-processes of raw-socket streaming clients (one Python client would be the bottleneck at 256 streams).
+prompts of `--prompt-len` token ids run with 1 and with 1 + `--steps` new tokens (greedy, `ignore_eos`;
+after a warm-up; the second twice): per decode step = (T(1 + steps) - T(1)) / steps, and again from the
+repeat (`step_ms_again`: a first-time cost such as a graph capture shows as a gap). HTTP clients are
+`--client-procs` processes of raw-socket streaming clients (one Python client would be the bottleneck at
+256 streams).
 
     python benchmarks/bench_serving.py [--concurrency 64 256] [--out FILE]      # the H200 run
     python benchmarks/bench_serving.py --dry-run                               # the tiny model, CPU
@@ -111,7 +113,7 @@ def embedded(model: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any
             for n in args.concurrency:
                 batch = prompts(vocab, n, args.prompt_len, n)
                 runs = []
-                for new in (1 + args.steps, 1, 1 + args.steps):  # the first: warm-up (graphs, compiles)
+                for new in run_tokens(args):  # the first: warm-up (graphs, compiles)
                     begin = time.perf_counter()
                     streams = await run(engine, batch, new)
                     runs.append((time.perf_counter() - begin, streams))
@@ -125,9 +127,16 @@ def embedded(model: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any
 Run = tuple[float, list[tuple[float, list[float]]]]  # (wall, each stream's (start, token times))
 
 
+def run_tokens(args: argparse.Namespace) -> tuple[int, ...]:
+    """New tokens of each run: a warm-up, one token, then the measured run twice (`step_ms_again`: a
+    first-time cost in the first, such as a graph capture, shows as a gap between the two)."""
+    return (1 + args.steps, 1, 1 + args.steps, 1 + args.steps)
+
+
 def figures(n: int, args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
-    """From (wall, streams) of the runs with 1 + steps, 1, 1 + steps new tokens (warm-up first)."""
+    """From (wall, streams) of the runs of `run_tokens` (warm-up first)."""
     (one_wall, _), (wall, streams) = runs[1], runs[2]
+    again = runs[3][0]
     failed = sum(1 for _, run in runs for _, t in run if not t)  # reset or refused (HTTP): none expected
     streams = [(s, t) for s, t in streams if t]
     counts = [len(t) for _, t in streams]  # HTTP: each chunk's usage counts its tokens
@@ -137,6 +146,7 @@ def figures(n: int, args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]
     itl = [b - a for _, t in streams for a, b in itertools.pairwise(t)]
     return {
         "step_ms": round((wall - one_wall) / args.steps * 1e3, 3),
+        "step_ms_again": round((again - one_wall) / args.steps * 1e3, 3),
         "ttft_all_s": round(one_wall, 3),
         "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 1),
         "ttft_p99_ms": round(_pct(ttft, 99) * 1e3, 1),
@@ -224,7 +234,7 @@ def over_http(model: Path, args: argparse.Namespace, vocab: int, single: bool) -
                 batch = prompts(vocab, n, args.prompt_len, n)
                 jobs = [(port, batch[i :: args.client_procs], 0) for i in range(args.client_procs)]
                 runs = []
-                for new in (1 + args.steps, 1, 1 + args.steps):
+                for new in run_tokens(args):
                     log(f"run: http {n} streams, {new} tokens")  # marks the server's log lines after it
                     begin = time.perf_counter()
                     got = pool.map(client_proc, [(p, b, new) for p, b, _ in jobs if b])
