@@ -42,6 +42,7 @@ class StepMeta:
     keep_from: dict[int, torch.Tensor]  # ratio -> (T,) first position whose state row stays live
     windows: dict[int, WindowRefs]  # ratio -> closing windows
     num_entries: dict[int, int]  # ratio -> J, host-known width of per-token compressed-entry lists
+    max_seq_len: int  # host-known bound on every request's length after the step
     sliding_window: int
     geometry: StepGeometry | None  # the reference's gathers; None for fused backends
 
@@ -75,6 +76,7 @@ def prepare_step(
         keep_from=keep_from,
         windows=windows,
         num_entries={r: batch.max_seq_len // r for r in batch.windows},
+        max_seq_len=batch.max_seq_len,
         sliding_window=sliding_window,
         geometry=geometry,
     )

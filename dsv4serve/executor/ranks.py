@@ -138,7 +138,7 @@ class CoresExchange:
 
     def __init__(self, across: Any, tp_group: Any, core: int, tp: int) -> None:
         self.across, self.tp_group, self.core, self.tp = across, tp_group, core, tp
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()  # the expert group: every rank
+        self.experts = Shard(dist.get_rank(), dist.get_world_size())  # the expert group: every rank
 
     def moe(
         self,
@@ -156,7 +156,7 @@ class CoresExchange:
         else:
             xs, ids_in = self.gather(cores_tokens, x, input_ids)
         weights, ids = route(xs, ids_in)
-        weights, ids = Shard(self.rank, self.size).local_routes(weights, ids, num_experts)
+        weights, ids = self.experts.local_routes(weights, ids, num_experts)
         return self.combine(experts(xs, weights, ids), cores_tokens)
 
     def gather(self, cores_tokens: tuple[int, ...], *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -193,7 +193,7 @@ class AllToAllExchange:
     over what they received, and the weighted rows go back the same way and are summed per token."""
 
     def __init__(self) -> None:
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.size = dist.get_world_size()
 
     def moe(
         self,

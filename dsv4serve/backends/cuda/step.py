@@ -131,6 +131,7 @@ def prepare_step_fused(
         keep_from={r: keep[i] for i, r in enumerate(ratios)},
         windows=windows,
         num_entries={r: batch.max_seq_len // r for r in batch.windows},
+        max_seq_len=batch.max_seq_len,
         sliding_window=sliding_window,
         geometry=None,
     )

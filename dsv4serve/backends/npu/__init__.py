@@ -19,7 +19,7 @@ import torch
 
 from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
-from dsv4serve.backends.npu.attention import npu_indexer_topk, npu_sparse_attention
+from dsv4serve.backends.npu.attention import PerStep, npu_indexer_topk, npu_sparse_attention
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
@@ -90,6 +90,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
     npu = npu or load_torch_npu()
     reference = ref.backend()
     found = {op: npu_find_op(npu, op) for op in NPU_OPS}
+    per_step = PerStep()  # the attention's and the indexer's per-step tables, built once a step
     ascend = {
         "linear": partial(npu_linear, npu=npu),
         "routed_experts": partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
@@ -104,9 +105,9 @@ def backend(npu: ModuleType | None = None) -> Backend:
             npu_sparse_attention,
             op=found["npu_sparse_attn_sharedkv"],
             metadata_op=found["npu_sparse_attn_sharedkv_metadata"],
-            memo={},
+            shared=per_step,
         ),
-        "dsv4.indexer_topk": partial(npu_indexer_topk, op=found["npu_lightning_indexer"]),
+        "dsv4.indexer_topk": partial(npu_indexer_topk, op=found["npu_lightning_indexer"], shared=per_step),
     }
     families: dict[str, Any] = {}
     for family, ops in FAMILY_OPS.items():

@@ -13,7 +13,9 @@ the softmax's denominator; block size a multiple of 16 up to 1,024.
 
 Each token is one batch entry here (cu_seqlens_q = 0..T, seqused_kv = its position + 1): the step's
 metadata carries no per-request spans, and a token's own entry gives the op the same band and causal
-limits. The block tables are the slot tables read at page starts (slot = page * page_size + offset).
+limits. The block tables are the slot tables read at page starts (slot = page * page_size + offset), as
+wide as the step's longest request needs; they, the entries and the metadata are built once per step
+(`PerStep`), shared by every layer and by the indexer.
 A call outside the contract (the tiny test models, fp32, a page size not a multiple of 16) takes the
 reference. The output's rope slice is rotated back by the reference's `rope`. **Never run on an Ascend
 NPU.**
@@ -46,11 +48,35 @@ def supported(q: torch.Tensor, meta: StepMeta, ratio: int) -> bool:
     )
 
 
-def block_table(table: torch.Tensor, rows: torch.Tensor, entries: int, page: int) -> torch.Tensor:
-    """(T, ceil(entries / page)) int32: the page of each token's request holding its entries
+class PerStep:
+    """What every layer of a step shares, built by its first layer (the attention's and the indexer's
+    calls share one): each token as a batch entry, the block tables, the attention's metadata."""
+
+    def __init__(self) -> None:
+        self.meta: StepMeta | None = None
+        self.items: dict[object, Any] = {}
+
+    def get(self, meta: StepMeta, key: object, make: Callable[[], Any]) -> Any:
+        if self.meta is not meta:  # a new step
+            self.meta, self.items = meta, {}
+        if key not in self.items:
+            self.items[key] = make()
+        return self.items[key]
+
+
+def block_table(table: torch.Tensor, meta: StepMeta, indices: int) -> torch.Tensor:
+    """(T, ceil(indices / page)) int32: the page of each token's request holding its indices
     [i * page, (i + 1) * page), read off the slot table at each page's first index."""
-    starts = torch.arange(0, max(entries, 1), page, device=table.device)
-    return (table[rows[:, None], starts[None, :]] // page).to(torch.int32)
+    page = meta.tables.page_size
+    starts = torch.arange(0, max(indices, 1), page, device=table.device)
+    return (table[meta.token_row[:, None], starts[None, :]] // page).to(torch.int32)
+
+
+def token_entries(meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token its own batch entry: cu_seqlens_q = 0..T, and its raw length (its position + 1)."""
+    T = meta.positions.shape[0]
+    cu = torch.arange(T + 1, dtype=torch.int32, device=meta.positions.device)
+    return cu, (meta.positions + 1).to(torch.int32)
 
 
 def npu_sparse_attention(
@@ -65,41 +91,40 @@ def npu_sparse_attention(
     *,
     op: Callable[..., Any],
     metadata_op: Callable[..., Any],
-    memo: dict[int, tuple[StepMeta, Any]] | None = None,
+    shared: PerStep,
 ) -> torch.Tensor:
     """Shared-K=V attention over each query's window and compressed entries, with sinks: (T, H, D)."""
     if not supported(q, meta, ratio):
         return dsv4.sparse_attention(q, swa, compressed, indices, meta, sinks, scale, ratio)
-    T, page, device = q.shape[0], meta.tables.page_size, q.device
-    rows, positions = meta.token_row, meta.positions
-    cu_seqlens_q = torch.arange(T + 1, dtype=torch.int32, device=device)
-    seqused_kv = (positions + 1).to(torch.int32)
-    longest = meta.tables.window.shape[1]  # raw positions a row addresses
+    T, page, longest = q.shape[0], meta.tables.page_size, meta.max_seq_len
+    cu_seqlens_q, seqused_kv = shared.get(meta, "entries", lambda: token_entries(meta))
     paged = {"ori_kv": swa.view(-1, page, 1, HEAD_DIM)}
-    paged["ori_block_table"] = block_table(meta.tables.window, rows, longest, page)
+    paged["ori_block_table"] = shared.get(meta, 0, lambda: block_table(meta.tables.window, meta, longest))
     cmp_topk = 0
     if ratio:
         assert compressed is not None
-        entries = meta.tables.entries[ratio]
+        table = meta.tables.entries[ratio]
         paged["cmp_kv"] = compressed.view(-1, page, 1, HEAD_DIM)
-        paged["cmp_block_table"] = block_table(entries, rows, entries.shape[1], page)
+        paged["cmp_block_table"] = shared.get(
+            meta, ratio, lambda: block_table(table, meta, longest // ratio + 1)
+        )
         if ratio == 4:
             assert indices is not None and indices.shape[1] <= TOPK
-            picks = torch.full((T, 1, TOPK), -1, dtype=torch.int32, device=device)
+            picks = torch.full((T, 1, TOPK), -1, dtype=torch.int32, device=q.device)
             picks[:, 0, : indices.shape[1]] = indices.to(torch.int32)
             paged["cmp_sparse_indices"] = picks
             cmp_topk = TOPK
     shape: dict[str, Any] = {"cmp_ratio": ratio, "ori_mask_mode": MASK_BAND, "cmp_mask_mode": MASK_CAUSAL}
     shape |= {"ori_win_left": WINDOW - 1, "ori_win_right": 0, "layout_q": "TND", "layout_kv": "PA_ND"}
-    memo = {} if memo is None else memo
-    if ratio not in memo or memo[ratio][0] is not meta:  # once per step and ratio: every layer shares it
-        metadata = metadata_op(
+    metadata = shared.get(
+        meta,
+        ("metadata", ratio),
+        lambda: metadata_op(
             HEADS, 1, HEAD_DIM, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, batch_size=T,
             max_seqlen_q=1, max_seqlen_kv=longest, ori_topk=0, cmp_topk=cmp_topk, has_ori_kv=True,
-            has_cmp_kv=ratio > 0, device=str(device), **shape,
-        )  # fmt: skip
-        memo[ratio] = (meta, metadata)
-    metadata = memo[ratio][1]
+            has_cmp_kv=ratio > 0, device=str(q.device), **shape,
+        ),
+    )  # fmt: skip
     out, _ = op(
         q, **paged, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, sinks=sinks.float(),
         metadata=metadata, softmax_scale=scale, return_softmax_lse=False, **shape,
@@ -119,6 +144,7 @@ def npu_indexer_topk(
     scale: float,
     *,
     op: Callable[..., Any],
+    shared: PerStep,
 ) -> torch.Tensor:
     """The lightning indexer on torch_npu's `npu_lightning_indexer` (op-plugin doc; ops-transformer's
     `attention/lightning_indexer` README): per query the `sparse_count` highest sum_h w_h relu(q_h . k)
@@ -134,14 +160,14 @@ def npu_indexer_topk(
     fits = q.dtype in (torch.bfloat16, torch.float16) and q.shape[1:] == (INDEX_HEADS, INDEX_DIM)
     if not (fits and topk <= INDEX_MAX_TOPK and page > 0 and page % 16 == 0 and page <= 1024):
         return dsv4.indexer_topk(q, head_w, keys, meta, topk, scale)
-    T, device = q.shape[0], q.device
-    entries = meta.tables.entries[4]
-    visible = ((meta.positions + 1) // 4).to(torch.int32)
+    T = q.shape[0]
+    cu_seqlens_q, seqused_kv = shared.get(meta, "entries", lambda: token_entries(meta))
+    table = meta.tables.entries[4]  # the index keys share the ratio-4 entries' slots
     picks, _ = op(
         q, keys.view(-1, page, 1, INDEX_DIM), (head_w.float() * scale).to(q.dtype),
-        actual_seq_lengths_query=torch.arange(1, T + 1, dtype=torch.int32, device=device),
-        actual_seq_lengths_key=visible,
-        block_table=block_table(entries, meta.token_row, entries.shape[1], page),
+        actual_seq_lengths_query=cu_seqlens_q[1:],
+        actual_seq_lengths_key=seqused_kv // 4,  # the visible entries, (position + 1) // 4
+        block_table=shared.get(meta, 4, lambda: block_table(table, meta, meta.max_seq_len // 4 + 1)),
         layout_query="TND", layout_key="PA_BSND", sparse_count=topk, sparse_mode=3,
     )  # fmt: skip
     picks = picks.view(T, topk)
