@@ -73,6 +73,9 @@ def main() -> None:
         report["max_position"] = args.max_position
         first = next(iter(pools.values()))[1]
         n = min(args.max_num_seqs, first // (args.prompt_len + 16))
+        if device == "cuda":
+            torch.cuda.synchronize()
+            loaded = torch.cuda.memory_reserved()  # weights, pools, tables: before any step
         rng = random.Random(0)
         prompts = [[rng.randrange(1000, 100_000) for _ in range(args.prompt_len)] for _ in range(n)]
         begin = time.perf_counter()
@@ -83,6 +86,17 @@ def main() -> None:
             free, total = torch.cuda.mem_get_info()
             outside = (total - free) - torch.cuda.memory_reserved()  # context, other processes
             peak = torch.cuda.max_memory_reserved() + outside
+            from dsv4serve.config import EngineConfig
+            from dsv4serve.memory.sizing import activation_reserve
+            from dsv4serve.models.registry import config_from_dir
+
+            reserve = activation_reserve(config_from_dir(model), EngineConfig(**knobs))
+            report |= {  # what the steps took beyond the loaded state, against what sizing kept for them
+                "loaded_reserved_bytes": loaded,
+                "steps_peak_bytes": torch.cuda.max_memory_reserved() - loaded,
+                "reserve_bytes": reserve,
+                "outside_torch_bytes": outside,
+            }
             report |= {
                 "total_bytes": total,
                 "allowed_bytes": int(args.gpu_memory_utilization * total),

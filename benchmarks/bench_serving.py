@@ -152,6 +152,8 @@ def figures(n: int, args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]
         "ttft_p99_ms": round(_pct(ttft, 99) * 1e3, 1),
         "itl_p50_ms": round(statistics.median(itl) * 1e3, 3),
         "itl_p99_ms": round(_pct(itl, 99) * 1e3, 3),
+        "itl_max_ms": round(max(itl) * 1e3, 3),  # a stall of a few streams hides from p99
+        "last_token_s": round(max(t[-1] for _, t in streams) - min(s for s, _ in streams), 3),
         "output_tokens_per_s": round(n * (1 + args.steps) / wall, 1),
         "streams_done": len(streams),
         "streams_failed": failed,
@@ -288,8 +290,11 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU: checks the flow")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU at the sizes given")
     args = parser.parse_args()
-    if args.dry_run:
+    if args.tiny:
+        args.dry_run = True
+    elif args.dry_run:
         args.concurrency, args.prompt_len, args.steps, args.client_procs = [4], 16, 4, 2
     from dsv4serve import logs
     from dsv4serve.models.registry import config_from_dir

@@ -51,8 +51,10 @@ def test_a_failed_capture_caches_nothing() -> None:
         def capture(self, step: object) -> None:
             raise RuntimeError("capture failed")
 
-    backend = dataclasses.replace(reference.backend(), graphs=lambda device: FailingGraph())  # type: ignore[arg-type, return-value]
-    graphs = DecodeGraphs(lambda batch, params: (batch, params), backend, (), 8, 1024, 0, torch.device("cpu"))  # type: ignore[arg-type, return-value]
+    backend = dataclasses.replace(reference.backend(), graphs=lambda device: FailingGraph())  # type: ignore[arg-type]
+    step = lambda batch, params: (batch, params)  # noqa: E731
+    cpu, logits = torch.device("cpu"), (32, torch.float32)
+    graphs = DecodeGraphs(step, backend, (), 8, 1024, 0, cpu, logits)
     key = GraphKey(1, 256, True, False, False, 0)
     item = StepItem(rid="a", prefix_len=5, token_ids=(7,), sample=True, sampling=SamplingParams(), row=0)
     for _ in range(2):

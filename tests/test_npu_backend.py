@@ -198,6 +198,8 @@ def test_decode_steps_captured_as_npu_graphs_give_the_references_tokens(
     assert max(compare(w, g) for w, g in zip(want, got, strict=True)) <= 1e-5
     assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"
     assert sum(g.graph.graph.replays for g in runner.graphs.graphs.values()) > 0  # type: ignore[union-attr]
+    shared = runner.graphs.logits.data_ptr()  # every graph's logits in the one buffer, none in its pool
+    assert {g.logits.data_ptr() for g in runner.graphs.graphs.values()} == {shared}
 
 
 def _visible_picks(case: Any, gen: torch.Generator, topk: int) -> torch.Tensor:

@@ -6,8 +6,12 @@ padding items on the tables' pad row, where every slot they touch is a sentinel)
 not max_model_len. Every input lives in one static device buffer of words that one host->device copy
 refills per step, from a staged host buffer filled in place; the forward and the sampler then replay
 with no Python in between. Capture runs on a batch of padding only, so neither the warm-up nor the
-capture writes a live pool row. The backend captures and replays (`Backend.graphs`); this module only
-decides which steps replay which graph.
+capture writes a live pool row. The graphs share one memory pool, and their logits land in one
+buffer of the largest bucket's rows that lives outside it: a graph's own outputs stay allocated in the
+pool for as long as the graph lives, and (B, vocab) logits per (batch, context) bucket added up to
+gigabytes over a day's contexts; the copy costs a step B x vocab x 4 bytes of device traffic. The
+backend captures and replays (`Backend.graphs`); this module only decides which steps replay which
+graph.
 """
 
 from __future__ import annotations
@@ -86,10 +90,19 @@ class _Graph:
         pack(items, seeds, self.layout, self.stager.stage(), pad_row)
         self.stager.send()
 
-    def capture(self, step: StepFn, graph: Graph, pad_row: int) -> None:
-        """Capture on a batch of padding only: every write lands on a sentinel."""
+    def capture(self, step: StepFn, graph: Graph, pad_row: int, logits: torch.Tensor) -> None:
+        """Capture on a batch of padding only: every write lands on a sentinel. The step's logits are
+        copied into `logits` (the graphs' shared buffer, at least B rows)."""
         self.upload((), (), pad_row)
-        self.out, self.logits = graph.capture(lambda: step(self.batch, self.params))
+        self.logits = logits[: self.key.batch]
+
+        def run() -> torch.Tensor:
+            out, step_logits = step(self.batch, self.params)
+            assert step_logits.dtype == logits.dtype, f"{step_logits.dtype} logits, {logits.dtype} buffer"
+            self.logits.copy_(step_logits)
+            return out
+
+        self.out = graph.capture(run)
         self.graph = graph
 
 
@@ -105,11 +118,14 @@ class DecodeGraphs:
         max_len: int,
         pad_row: int,
         device: torch.device,
+        logits: tuple[int, torch.dtype],  # (vocab, dtype) of the step's logits
     ) -> None:
         assert backend.graphs is not None, f"the {backend.name} backend captures no graphs"
         self.step, self.backend, self.new_graph = step, backend, backend.graphs
         self.ratios, self.max_seqs, self.max_len = tuple(ratios), max_seqs, max_len
         self.pad_row, self.device = pad_row, device
+        rows = max(b for b in BATCH_BUCKETS if b <= max(max_seqs, 1))  # more requests run eagerly
+        self.logits = torch.empty(rows, logits[0], dtype=logits[1], device=device)
         self.graphs: dict[GraphKey, _Graph] = {}
         self.last: _Graph | None = None  # the graph the latest step replayed (benchmarks time it alone)
 
@@ -134,7 +150,8 @@ class DecodeGraphs:
         if graph is None:
             begin = time.perf_counter()
             graph = _Graph(key, self.ratios, self.device, self.backend)
-            graph.capture(self.step, self.new_graph(self.device), self.pad_row)  # a failure caches nothing
+            new = self.new_graph(self.device)
+            graph.capture(self.step, new, self.pad_row, self.logits)  # a failure caches nothing
             self.graphs[key] = graph
             ms = round((time.perf_counter() - begin) * 1e3, 1)  # the step that met it waited this long
             _LOG.info("graph_captured", batch=key.batch, context=key.context, ms=ms, graphs=len(self.graphs))

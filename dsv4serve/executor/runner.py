@@ -262,6 +262,7 @@ class ModelRunner:
                 max_len,
                 self.tables.pad_row,
                 self.device,
+                (cfg.vocab_size, getattr(torch, engine.torch_dtype_name)),
             )
 
     def _forward_sample(

@@ -12,30 +12,30 @@ T = TypeVar("T")
 
 class CudaGraphs:
     """Makes the graphs of one backend: those of a device share one memory pool (their steps never
-    run at once)."""
+    run at once) and one side stream for their warm-ups (each new stream would hold its own cuBLAS
+    workspace for the rest of the process)."""
 
     def __init__(self) -> None:
-        self.pools: dict[torch.device, object] = {}
+        self.pools: dict[torch.device, tuple[object, torch.cuda.Stream]] = {}
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cuda"  # not the CPU tensors of Triton's interpreter
 
     def __call__(self, device: torch.device) -> CudaGraph:
         if device not in self.pools:
-            self.pools[device] = torch.cuda.graph_pool_handle()
-        return CudaGraph(device, self.pools[device])
+            self.pools[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
+        return CudaGraph(device, *self.pools[device])
 
 
 class CudaGraph:
-    """One step recorded on `device`, in memory pool `pool`."""
+    """One step recorded on `device`, in memory pool `pool`, warmed up on stream `side`."""
 
-    def __init__(self, device: torch.device, pool: object) -> None:
-        self.device, self.pool = device, pool
+    def __init__(self, device: torch.device, pool: object, side: torch.cuda.Stream) -> None:
+        self.device, self.pool, self.side = device, pool, side
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, step: Callable[[], T]) -> T:
-        device = self.device  # the runner's, not necessarily the current device
-        side = torch.cuda.Stream(device=device)
+        device, side = self.device, self.side  # the runner's, not necessarily the current device
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up: compiles the kernels of these shapes
             step()
