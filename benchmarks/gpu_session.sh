@@ -12,8 +12,9 @@
 #   native - issue 27's kernels: the FP8 / MXFP4 / int8 kernel tests on CUDA, bench_experts.py,
 #            bench_fp8.py, then bench_decode.py --weights for each of $WEIGHTS (default: official)
 #            ($OUT/{experts,fp8,<weights>}.json)
-#   front  - issue 29: the processed-logits golden test on CUDA (graphs on), bench_serving.py
-#            (--skip-single; $OUT/serving.json), then bench_kv_sizing.py ($OUT/kv_sizing.json)
+#   front  - issue 29: the engine golden and pool-poison tests on CUDA (graphs on), bench_serving.py
+#            (--skip-single, the server's graph captures among its runs; $OUT/serving.json), then
+#            bench_kv_sizing.py ($OUT/kv_sizing.json)
 #   before - issue 30's single-GPU check: bench_decode.py on this tree and on the tree in $BASE (an
 #            ignored `git archive` of the commit before multi-device, carried), same flags, same machine
 #            ($OUT/{head,base}.json)
@@ -68,11 +69,13 @@ native)
     done
     ;;
 front)
-    DSV4SERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_golden_engine.py \
-        -k processed 2>&1 | tail -4
-    timeout 360 python3 benchmarks/bench_serving.py --skip-single --out "$OUT/serving.json" 2> "$OUT/serving.err" \
-        | tail -c 2500
-    grep -E "embedded|http|failed|Error" "$OUT/serving.err" | tail -8 | cut -c1-400
+    DSV4SERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_golden_engine.py \
+        tests/test_pool_poison.py 2>&1 | tail -4
+    timeout 330 python3 benchmarks/bench_serving.py --skip-single --server-log-level info --out "$OUT/serving.json" \
+        2> "$OUT/serving.err" | tail -c 2500
+    grep -E '^run:|graph_captured|^embedded|^http|failed|Error' "$OUT/serving.err" \
+        | sed -E 's/.*"batch": ([0-9]+), "context": ([0-9]+), "ms": ([0-9.]+).*/capture b\1 c\2 \3ms/' \
+        | uniq -c | tail -60 | cut -c1-300
     timeout 100 python3 benchmarks/bench_kv_sizing.py --out "$OUT/kv_sizing.json" 2> "$OUT/kv.err" | tail -c 1500
     tail -3 "$OUT/kv.err"
     ;;

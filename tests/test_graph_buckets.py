@@ -61,3 +61,25 @@ def test_a_failed_capture_caches_nothing() -> None:
         with pytest.raises(RuntimeError, match="capture failed"):
             graphs.launch(key, [item], [1])
         assert graphs.graphs == {}
+
+
+def test_startup_keys_cover_every_batch_bucket_at_both_size_classes_largest_first() -> None:
+    """Before serving, the greedy step of every batch bucket up to max_num_seqs is captured at the
+    warm contexts (capped at the model's length), largest batch first."""
+    backend = reference.backend()
+    step = lambda batch, params: (batch, params)  # noqa: E731
+    graphs = DecodeGraphs(
+        step,
+        dataclasses.replace(backend, graphs=lambda d: None),
+        (4,),
+        20,
+        1024,
+        0,
+        torch.device("cpu"),
+        (8, torch.float32),
+    )  # type: ignore[arg-type]
+    keys = graphs.startup_keys()
+    assert [k.batch for k in keys] == [16, 12, 8, 4, 2, 1] * 2
+    assert [k.context for k in keys] == [256] * 6 + [1024] * 6
+    assert all(k.greedy and not (k.filtered or k.logprobs or k.num_top) for k in keys)
+    assert graphs.logits.shape == (16, 8)  # the largest bucket's rows

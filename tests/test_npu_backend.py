@@ -194,6 +194,7 @@ def test_decode_steps_captured_as_npu_graphs_give_the_references_tokens(
     )
     want = engine_traces(tiny_model_dir, prompts, 6, engine, chunk=random_chunker(2, 4, 12))
     runner = ModelRunner(tiny_model_dir, engine, ops=select("npu"))
+    assert runner.graphs is not None and set(runner.graphs.graphs) == set(runner.graphs.startup_keys())
     got = engine_traces(tiny_model_dir, prompts, 6, engine, chunk=random_chunker(2, 4, 12), runner=runner)
     assert max(compare(w, g) for w, g in zip(want, got, strict=True)) <= 1e-5
     assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"

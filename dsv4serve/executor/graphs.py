@@ -33,6 +33,7 @@ _LOG = structlog.get_logger().bind(actor="executor")
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 MIN_CONTEXT = 256
 CONTEXT_STEP_UNTIL = 32768
+WARM_CONTEXTS = (MIN_CONTEXT, 2048)  # captured at start-up: both of Triton's size classes of the tables
 
 StepFn = Callable[[ForwardBatch, SamplingBatch], tuple[torch.Tensor, torch.Tensor]]  # -> (2+2k, B), logits
 
@@ -107,7 +108,8 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """The captured decode steps of one runner, by key; captured lazily on first use."""
+    """The captured decode steps of one runner, by key: the greedy ones of `startup_keys` before
+    serving (`capture`), any other on first use."""
 
     def __init__(
         self,
@@ -141,20 +143,40 @@ class DecodeGraphs:
         context = context_bucket(max(i.seq_len for i in items), self.max_len)
         return GraphKey(batch, context, flags.all_greedy, flags.needs_filter, flags.want_logprobs, num_top)
 
+    def startup_keys(self) -> list[GraphKey]:
+        """The greedy steps captured before serving: every batch bucket (largest first, so the pool is
+        sized once) at the contexts of WARM_CONTEXTS. A first capture also compiles the kernels of its
+        shapes; Triton specializes on sizes (== 1, multiples of 16), so a bucket first met while
+        serving stalled every stream for seconds (run 81: 2.76 s for batch 16)."""
+        contexts = sorted({min(c, self.max_len) for c in WARM_CONTEXTS})
+        batches = [b for b in reversed(BATCH_BUCKETS) if b <= max(self.max_seqs, 1)]
+        return [GraphKey(b, c, True, False, False, 0) for c in contexts for b in batches]
+
+    def capture(self, keys: Sequence[GraphKey]) -> None:
+        """Capture the graphs of `keys` not captured yet."""
+        begin, before = time.perf_counter(), len(self.graphs)
+        for key in keys:
+            if key not in self.graphs:
+                self._capture(key)
+        ms = round((time.perf_counter() - begin) * 1e3, 1)
+        _LOG.info("graphs_ready", captured=len(self.graphs) - before, graphs=len(self.graphs), ms=ms)
+
+    def _capture(self, key: GraphKey) -> _Graph:
+        begin = time.perf_counter()
+        graph = _Graph(key, self.ratios, self.device, self.backend)
+        new = self.new_graph(self.device)
+        graph.capture(self.step, new, self.pad_row, self.logits)  # a failure caches nothing
+        self.graphs[key] = graph
+        ms = round((time.perf_counter() - begin) * 1e3, 1)  # the step that met it waited this long
+        _LOG.info("graph_captured", batch=key.batch, context=key.context, ms=ms, graphs=len(self.graphs))
+        return graph
+
     def launch(
         self, key: GraphKey, items: Sequence[StepItem], seeds: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue the step's replay; returns the graph's static outputs ((2 + 2k, B) sampled outputs,
         (B, V) logits), valid until its next replay."""
-        graph = self.graphs.get(key)
-        if graph is None:
-            begin = time.perf_counter()
-            graph = _Graph(key, self.ratios, self.device, self.backend)
-            new = self.new_graph(self.device)
-            graph.capture(self.step, new, self.pad_row, self.logits)  # a failure caches nothing
-            self.graphs[key] = graph
-            ms = round((time.perf_counter() - begin) * 1e3, 1)  # the step that met it waited this long
-            _LOG.info("graph_captured", batch=key.batch, context=key.context, ms=ms, graphs=len(self.graphs))
+        graph = self.graphs.get(key) or self._capture(key)
         graph.upload(items, seeds, self.pad_row)
         assert graph.graph is not None
         graph.graph.replay()

@@ -264,6 +264,7 @@ class ModelRunner:
                 self.device,
                 (cfg.vocab_size, getattr(torch, engine.torch_dtype_name)),
             )
+            self.graphs.capture(self.graphs.startup_keys())  # every rank alike, in the same order
 
     def _forward_sample(
         self, batch: ForwardBatch, params: SamplingBatch
