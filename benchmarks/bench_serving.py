@@ -86,8 +86,9 @@ def knobs(args: argparse.Namespace, n_max: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- Engine.generate
 
 
-def embedded(model: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """`AsyncEngine.stream` per prompt, all at once (what `Engine.generate` submits), timed per token."""
+def embedded(model: Path, args: argparse.Namespace, vocab: int, core_process: bool = False) -> dict[str, Any]:
+    """`AsyncEngine.stream` per prompt, all at once (what `Engine.generate` submits), timed per token;
+    `core_process`: the engine core in a process of its own, as behind `serve --http`."""
     from dsv4serve import AsyncEngine, SamplingParams
     from dsv4serve.protocol import TokenEvent
 
@@ -109,7 +110,9 @@ def embedded(model: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any
 
     async def main() -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with AsyncEngine(model, **knobs(args, max(args.concurrency))) as engine:
+        async with AsyncEngine(
+            model, core_process=core_process, **knobs(args, max(args.concurrency))
+        ) as engine:
             for n in args.concurrency:
                 batch = prompts(vocab, n, args.prompt_len, n)
                 runs = []
@@ -118,7 +121,7 @@ def embedded(model: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any
                     streams = await run(engine, batch, new)
                     runs.append((time.perf_counter() - begin, streams))
                 out[f"n{n}"] = figures(n, args, runs)
-                log("embedded", n, out[f"n{n}"])
+                log("embedded" + (" core process" if core_process else ""), n, out[f"n{n}"])
         return out
 
     return trio.run(main)
@@ -286,6 +289,11 @@ def main() -> None:
     parser.add_argument("--cache", default=os.environ.get("DSV4SERVE_CACHE", "/tmp/dsv4serve-bench"))
     parser.add_argument("--skip-single", action="store_true", help="no `--single-process` server")
     parser.add_argument(
+        "--embedded-core",
+        action="store_true",
+        help="also `AsyncEngine(core_process=True)`: the boundary alone",
+    )
+    parser.add_argument(
         "--server-log-level", default="warning", help="info: the server's graph captures among the runs"
     )
     parser.add_argument("--out", default=None)
@@ -304,13 +312,15 @@ def main() -> None:
     vocab = config_from_dir(model).vocab_size
     REPORT.update(layers=args.layers, experts=args.experts, prompt_len=args.prompt_len, steps=args.steps)
     REPORT["embedded"] = embedded(model, args, vocab)
+    if args.embedded_core:
+        REPORT["embedded_core_process"] = embedded(model, args, vocab, core_process=True)
     REPORT["http"] = over_http(model, args, vocab, single=False)
     if not args.skip_single:
         REPORT["http_single_process"] = over_http(model, args, vocab, single=True)
     for n in args.concurrency:
         key, base = f"n{n}", REPORT["embedded"][f"n{n}"]
         ratios = {}
-        for door in ("http", "http_single_process"):
+        for door in ("embedded_core_process", "http", "http_single_process"):
             if door in REPORT:
                 for figure in ("step_ms", "ttft_p50_ms"):
                     ratios[f"{door}_over_embedded_{figure}"] = round(

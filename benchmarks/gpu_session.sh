@@ -69,13 +69,16 @@ native)
     done
     ;;
 front)
-    DSV4SERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_golden_engine.py \
-        tests/test_pool_poison.py 2>&1 | tail -4
-    timeout 330 python3 benchmarks/bench_serving.py --skip-single --server-log-level info --out "$OUT/serving.json" \
-        2> "$OUT/serving.err" | tail -c 2500
-    grep -E '^run:|graph_captured|^embedded|^http|failed|Error' "$OUT/serving.err" \
-        | sed -E 's/.*"batch": ([0-9]+), "context": ([0-9]+), "ms": ([0-9.]+).*/capture b\1 c\2 \3ms/' \
-        | uniq -c | tail -60 | cut -c1-300
+    DSV4SERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_golden_engine.py \
+        2>&1 | tail -4
+    timeout 400 python3 benchmarks/bench_serving.py --embedded-core --server-log-level info \
+        --out "$OUT/serving.json" 2> "$OUT/serving.err" | python3 -c 'import json, sys; r = json.load(sys.stdin)
+for door in ("embedded", "embedded_core_process", "http", "http_single_process"):
+    for n, f in r.get(door, {}).items():
+        print(door, n, {k: v for k, v in f.items() if k not in ("streams_done", "ttft_all_s")})
+print(r.get("ratios"))'
+    awk '/graphs_ready/ {print; r = 1; next} /^run:|Error|Traceback/ {print; next} r && /graph_captured/' \
+        "$OUT/serving.err" | tail -60 | cut -c1-220
     timeout 100 python3 benchmarks/bench_kv_sizing.py --out "$OUT/kv_sizing.json" 2> "$OUT/kv.err" | tail -c 1500
     tail -3 "$OUT/kv.err"
     ;;
