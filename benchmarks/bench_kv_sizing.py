@@ -87,12 +87,18 @@ def main() -> None:
             outside = (total - free) - torch.cuda.memory_reserved()  # context, other processes
             peak = torch.cuda.max_memory_reserved() + outside
             from dsv4serve.config import EngineConfig
-            from dsv4serve.memory.sizing import activation_reserve
+            from dsv4serve.memory.sizing import activation_reserve, pool_bytes
             from dsv4serve.models.registry import config_from_dir
 
-            reserve = activation_reserve(config_from_dir(model), EngineConfig(**knobs))
-            report |= {  # what the steps took beyond the loaded state, against what sizing kept for them
-                "loaded_reserved_bytes": loaded,
+            cfg, config = config_from_dir(model), EngineConfig(**knobs)
+            reserve = activation_reserve(cfg, config)
+            pools = pool_bytes(cfg, config.with_(max_total_tokens=report["pool_slots"]["full"]))
+            weights = sum(engine.stats().weight_bytes.values())
+            report |= {  # what the graphs and steps took beside weights and pools, against the reserve
+                "weight_bytes": weights,
+                "pool_bytes": pools,
+                "beside_weights_and_pools_bytes": torch.cuda.max_memory_reserved() - weights - pools,
+                "loaded_reserved_bytes": loaded,  # start-up graphs included
                 "steps_peak_bytes": torch.cuda.max_memory_reserved() - loaded,
                 "reserve_bytes": reserve,
                 "outside_torch_bytes": outside,
