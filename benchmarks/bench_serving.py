@@ -117,6 +117,7 @@ def embedded(model: Path, args: argparse.Namespace, vocab: int, core_process: bo
                 batch = prompts(vocab, n, args.prompt_len, n)
                 runs = []
                 for new in run_tokens(args):  # the first: warm-up (graphs, compiles)
+                    log(f"run: embedded{' core' if core_process else ''} {n} streams, {new} tokens")
                     begin = time.perf_counter()
                     streams = await run(engine, batch, new)
                     runs.append((time.perf_counter() - begin, streams))
@@ -307,7 +308,7 @@ def main() -> None:
     from dsv4serve import logs
     from dsv4serve.models.registry import config_from_dir
 
-    logs.configure("warning")
+    logs.configure(args.server_log_level)  # info: the embedded engine's steps too
     model = checkpoint(args)
     vocab = config_from_dir(model).vocab_size
     REPORT.update(layers=args.layers, experts=args.experts, prompt_len=args.prompt_len, steps=args.steps)
