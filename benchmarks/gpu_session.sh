@@ -70,8 +70,8 @@ native)
     ;;
 front)
     DSV4SERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_golden_engine.py \
-        2>&1 | tail -4
-    timeout 400 python3 benchmarks/bench_serving.py --embedded-core --server-log-level info \
+        -k "${FRONT_TESTS:-}" 2>&1 | tail -4
+    timeout 400 python3 benchmarks/bench_serving.py --embedded-core --skip-single --server-log-level info \
         --out "$OUT/serving.json" 2> "$OUT/serving.err" | python3 -c 'import json, sys; r = json.load(sys.stdin)
 for door in ("embedded", "embedded_core_process", "http", "http_single_process"):
     for n, f in r.get(door, {}).items():
