@@ -437,6 +437,26 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------- ranks
+
+
+def _ranks_arguments(p: argparse.ArgumentParser) -> None:
+    _engine_arguments(p)
+
+
+def _run_ranks(args: argparse.Namespace) -> int:
+    """Host node_rank's tensor-parallel ranks of an engine served from host 0 (same model and flags)."""
+    from dsv4serve import logs
+    from dsv4serve.executor.ranks import run_host
+
+    engine = EngineConfig(**_engine_knobs(args))
+    if engine.node_rank == 0:
+        raise ConfigError("node_rank: `ranks` runs hosts 1 .. nnodes - 1; host 0 runs `serve`")
+    _load_model_config(args.model)
+    logs.configure(args.log_level)
+    return run_host(str(args.model), engine)
+
+
 # ---------------------------------------------------------------------------------------- commands
 # One entry per subcommand (`_<name>_arguments` / `_run_<name>` above).
 
@@ -461,5 +481,10 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
         "generate": Command("print the completion of one prompt", _generate_arguments, _run_generate),
         "demo": Command("stream a few prompts through a tiny checkpoint", _demo_arguments, _run_demo),
         "bench": Command("time prefill and decode steps of the executor core", _bench_arguments, _run_bench),
+        "ranks": Command(
+            "run this host's tensor-parallel ranks of an engine served from host 0 (--node-rank 1 ..)",
+            _ranks_arguments,
+            _run_ranks,
+        ),
     }
 )

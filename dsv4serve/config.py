@@ -110,6 +110,17 @@ class EngineConfig:
         "tensor_parallel_size 1)",
         choices=("gather", "all_to_all"),
     )
+    nnodes: int = knob(
+        1,
+        "hosts the tensor-parallel ranks span, tensor_parallel_size / nnodes on each (host 0 runs the "
+        "engine, the others `dsv4serve ranks`)",
+        positive=True,
+    )
+    node_rank: int = knob(0, "this host's index among nnodes (`dsv4serve ranks` on hosts 1 ..)")
+    master_addr: str = knob("127.0.0.1", "host 0's address, where the ranks of several hosts meet")
+    master_port: int = knob(
+        0, "host 0's port for the ranks of several hosts (and the next one); 0: a free one, one host only"
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -126,10 +137,25 @@ class EngineConfig:
             )
         if self.expert_dispatch == "all_to_all" and self.tensor_parallel_size > 1:
             raise ConfigError("expert_dispatch: all_to_all needs tensor_parallel_size 1")
+        if self.nnodes > 1:
+            if self.tensor_parallel_size % self.nnodes or self.data_parallel_size > 1:
+                raise ConfigError(
+                    f"nnodes: {self.nnodes} hosts split tensor_parallel_size ({self.tensor_parallel_size}) "
+                    "evenly, with data_parallel_size 1"
+                )
+            if not 0 < self.master_port < 65535:
+                raise ConfigError(f"master_port: several hosts need a port, got {self.master_port}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank: {self.node_rank} is not in [0, nnodes {self.nnodes})")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization: expected a number in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks on each host (all of a core's on one host)."""
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def torch_dtype_name(self) -> str:

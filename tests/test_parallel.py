@@ -107,6 +107,71 @@ def test_serve_http_with_two_ranks(tiny_model_dir: Path, ranks: list[str]) -> No
         assert server.wait(timeout=60) == 0
 
 
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm4_moe_lite"])
+def test_ranks_on_two_hosts_give_one_process_tokens(
+    family: str, tiny_model_dir: Path, glm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=2 over two hosts (both this one, as the second host sees it: `dsv4serve ranks --node-rank 1`
+    with the same flags): host 1's rank joins host 0's rendezvous and, once loaded, connects to host 0
+    with the shared token; the tokens are one process's. A rank without the token is refused."""
+    from tests.test_http_cli import free_port
+
+    model = tiny_model_dir if family == "deepseek_v4" else glm_dir
+    knobs = {"max_num_batched_tokens": 32, "max_total_tokens": 256, "page_size": 16}
+    one = _tokens(model, 1, 1, 1, **knobs)[0]
+    port = free_port()
+    while port + 1 >= 65535:
+        port = free_port()
+    hosts = {"tensor_parallel_size": 2, "nnodes": 2, "master_port": port, **knobs}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in hosts.items()]
+    monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "s3cret")
+    stranger = subprocess.Popen(  # a rank with the wrong token: host 0 closes on it, takes the next
+        [sys.executable, "-c", _STRANGER, str(port + 1)], env=os.environ | {"DSV4SERVE_RANK_TOKEN": "no"}
+    )
+    argv = [sys.executable, "-m", "dsv4serve", "ranks", "--model", str(model), "--node-rank", "1", *flags]
+    host1 = subprocess.Popen(argv)  # loads, then connects: long after the stranger, already waiting
+    try:
+        assert _tokens(model, 2, 1, 1, nnodes=2, master_port=port, **knobs)[0] == one
+        assert stranger.wait(timeout=60) == 0  # refused: closed on
+        assert host1.wait(timeout=60) == 0  # host 0's engine stopped its rank
+    finally:
+        for proc in (stranger, host1):
+            if proc.poll() is None:
+                proc.kill()
+
+
+# connects to host 0's rank port as rank 1 with this environment's token; exits 0 once refused (closed)
+_STRANGER = """
+import json, os, socket, sys, time
+from multiprocessing.connection import Connection
+for _ in range(600):
+    try:
+        sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
+        break
+    except OSError:
+        time.sleep(0.2)
+sock.settimeout(None)
+conn = Connection(sock.detach())
+conn.send_bytes(json.dumps({"rank": 1, "token": os.environ["DSV4SERVE_RANK_TOKEN"]}).encode())
+try:
+    conn.recv_bytes()
+except EOFError:
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_several_hosts_are_checked() -> None:
+    with pytest.raises(ConfigError, match="nnodes"):
+        EngineConfig(tensor_parallel_size=3, nnodes=2, master_port=5000)
+    with pytest.raises(ConfigError, match="nnodes"):
+        EngineConfig(tensor_parallel_size=2, data_parallel_size=2, nnodes=2, master_port=5000)
+    with pytest.raises(ConfigError, match="master_port"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2)
+    with pytest.raises(ConfigError, match="node_rank"):
+        EngineConfig(node_rank=1)
+
+
 def _pids(model: Path, marker: bytes) -> list[int]:
     """Processes serving `model` whose command line holds `marker`."""
     pids = []

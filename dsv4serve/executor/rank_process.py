@@ -1,8 +1,9 @@
 """A tensor-parallel rank other than 0: `python -m dsv4serve.executor.rank_process FD ARGS`, started by
 rank 0 (`ranks.Followers`) with one end of a socket pair as FD and its arguments as JSON (model
-directory, engine knobs, rank, rendezvous port). It loads its share, says `ready`, then replays rank
-0's table writes and step launches until told to stop or until rank 0's end closes. A failure ends
-the process (the other ranks' collectives then fail, and rank 0 stops the engine)."""
+directory, engine knobs, rank, rendezvous port); or, on another host (`dsv4serve ranks`), with
+`connect` for FD: it connects to host 0 once loaded. It loads its share, says `ready`, then replays
+rank 0's table writes and step launches until told to stop or until rank 0's end closes. A failure
+ends the process (the other ranks' collectives then fail, and rank 0 stops the engine)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ import torch.distributed as dist
 
 from dsv4serve import logs
 from dsv4serve.config import EngineConfig
-from dsv4serve.executor.ranks import Place
+from dsv4serve.executor.ranks import Place, connect_to_leader
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.protocol import RankLaunch, RankMsg, RankStop, RankWriteLocs
 
 
-def serve_rank(model_dir: str, fields: dict[str, Any], place: Place, conn: Connection) -> None:
+def serve_rank(model_dir: str, fields: dict[str, Any], place: Place, conn: Connection | None) -> None:
+    """`conn` None: another host's rank, which connects to its leader once loaded."""
     log = structlog.get_logger().bind(actor="rank", dp_rank=place.dp_rank, tp_rank=place.tp_rank)
-    runner = ModelRunner(model_dir, EngineConfig(**fields), place=place)
+    engine = EngineConfig(**fields)
+    runner = ModelRunner(model_dir, engine, place=place)
+    conn = conn or connect_to_leader(engine, place)
     conn.send_bytes(b"ready")
     decoder = msgspec.msgpack.Decoder(RankMsg)
     try:
@@ -52,9 +56,9 @@ def serve_rank(model_dir: str, fields: dict[str, Any], place: Place, conn: Conne
 
 
 def main(argv: list[str]) -> int:
-    fd, raw = int(argv[0]), json.loads(argv[1])
+    raw = json.loads(argv[1])
     logs.configure(raw["log_level"])
-    conn = Connection(socket.socket(fileno=fd).detach())
+    conn = None if argv[0] == "connect" else Connection(socket.socket(fileno=int(argv[0])).detach())
     serve_rank(raw["model_dir"], raw["engine"], Place(**raw["place"]), conn)
     return 0
 

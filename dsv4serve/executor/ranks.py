@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
 import json
+import os
 import queue
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -56,7 +59,8 @@ class RanksBroken(RuntimeError):
 class Place:
     """A rank of the engine: its data-parallel rank (which engine core), its rank in that core's
     tensor-parallel group, and the port every rank of the engine rendezvouses on. Global rank = dp_rank x
-    tensor_parallel_size + tp_rank; its device is the engine's device index + the global rank."""
+    tensor_parallel_size + tp_rank; its device is the engine's device index + the global rank (with
+    several hosts, + its rank on its host: global rank modulo ranks_per_node)."""
 
     dp_rank: int
     tp_rank: int
@@ -66,7 +70,14 @@ class Place:
         return self.dp_rank * engine.tensor_parallel_size + self.tp_rank
 
     def device(self, engine: EngineConfig) -> str:
-        return rank_device(engine.device, self.global_rank(engine))
+        rank = self.global_rank(engine)
+        return rank_device(engine.device, rank % engine.ranks_per_node if engine.nnodes > 1 else rank)
+
+    @classmethod
+    def first(cls, engine: EngineConfig) -> Place:
+        """The engine's first rank (the only core's leader): its rendezvous on a free port of this host,
+        or on master_port with several hosts."""
+        return cls(0, 0, engine.master_port if engine.nnodes > 1 else free_port())
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,7 @@ def join_group(engine: EngineConfig, collectives: str, place: Place) -> Joined:
         torch.accelerator.set_device_index(device.index)
     dist.init_process_group(
         collectives,
-        init_method=f"tcp://127.0.0.1:{place.port}",
+        init_method=f"tcp://{engine.master_addr}:{place.port}",
         rank=me,
         world_size=world,
         timeout=timedelta(seconds=RANK_TIMEOUT_S),
@@ -243,42 +254,84 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Followers:
-    """Ranks 1 .. N-1 as rank 0 drives them: their processes and the sockets that feed them."""
+class Remote:
+    """A rank on another host, as its leader holds it: no process here (its host's `dsv4serve ranks`
+    owns it); it ends when the leader's connection closes."""
 
-    def __init__(self, procs: Sequence[subprocess.Popen[bytes]], conns: Sequence[Connection]) -> None:
-        self.procs, self.conns = procs, conns
+    def poll(self) -> int | None:
+        return None
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+class Followers:
+    """Ranks 1 .. N-1 as rank 0 drives them: their processes (`Remote` for another host's) and the
+    connections that feed them, in rank order."""
+
+    def __init__(
+        self,
+        procs: Sequence[subprocess.Popen[bytes] | Remote],
+        conns: Sequence[Connection | None],
+        listener: socket.socket | None = None,
+    ) -> None:
+        self.procs, self.conns, self.listener = list(procs), list(conns), listener
         self.encoder = msgspec.msgpack.Encoder()
         self.lock = threading.Lock()  # table writes (trio thread) and launches (a worker thread)
         self.broken: str | None = None
 
     @classmethod
     def start(cls, model_dir: str, engine: EngineConfig, leader: Place) -> Followers:
-        """Start the leader's core's ranks 1 .. N-1 (`rank_process.py`); they load their shares while
-        the leader loads its own. Each runs in a session of its own: a terminal's Ctrl-C reaches the
-        leader only, which stops them."""
-        procs, conns = [], []
-        for rank in range(1, engine.tensor_parallel_size):
+        """Start the leader's core's ranks on this host, 1 .. ranks_per_node - 1 (`rank_process.py`);
+        they load their shares while the leader loads its own. Each runs in a session of its own: a
+        terminal's Ctrl-C reaches the leader only, which stops them. With several hosts, the others'
+        ranks connect to master_port + 1 once loaded (`wait_ready` takes them)."""
+        procs: list[subprocess.Popen[bytes] | Remote] = []
+        conns: list[Connection | None] = []
+        for rank in range(1, engine.ranks_per_node):
             ours, theirs = socket.socketpair()
-            place = dataclasses.asdict(dataclasses.replace(leader, tp_rank=rank))
-            args = {"model_dir": model_dir, "engine": dataclasses.asdict(engine), "place": place}
-            args["log_level"] = logs.current_level()
             with theirs:
-                argv = [sys.executable, "-m", "dsv4serve.executor.rank_process", str(theirs.fileno())]
-                procs.append(
-                    subprocess.Popen(
-                        [*argv, json.dumps(args)],
-                        pass_fds=(theirs.fileno(),),
-                        stdin=subprocess.DEVNULL,
-                        stdout=sys.stderr.fileno(),  # stdout may be the stdio front door's protocol stream
-                        start_new_session=True,
-                    )
-                )
+                procs.append(spawn_rank(model_dir, engine, dataclasses.replace(leader, tp_rank=rank), theirs))
             conns.append(Connection(ours.detach()))
-        return cls(procs, conns)
+        listener = None
+        if engine.nnodes > 1:
+            listener = socket.create_server(("", engine.master_port + 1), reuse_port=False)
+            listener.settimeout(READY_TIMEOUT_S)
+            remote = engine.tensor_parallel_size - engine.ranks_per_node
+            procs, conns = [*procs, *(Remote() for _ in range(remote))], [*conns, *([None] * remote)]
+        return cls(procs, conns, listener)
+
+    def _accept_remote(self) -> None:
+        """Take the other hosts' ranks as they connect (rank id and token first), each into its slot."""
+        if self.listener is None:
+            return
+        token = os.environ.get(RANK_TOKEN_ENV, "").encode()
+        with self.listener:
+            while any(c is None for c in self.conns):
+                try:
+                    sock, _ = self.listener.accept()
+                except TimeoutError:
+                    missing = [r for r, c in enumerate(self.conns, 1) if c is None]
+                    raise RanksBroken(f"ranks {missing} of the other hosts never connected") from None
+                sock.settimeout(None)
+                conn = Connection(sock.detach())
+                hello = msgspec.json.decode(conn.recv_bytes())
+                rank = int(hello.get("rank", 0))
+                if not hmac.compare_digest(str(hello.get("token", "")).encode(), token):
+                    conn.close()  # not one of ours
+                    continue
+                if not 0 < rank <= len(self.conns) or self.conns[rank - 1] is not None:
+                    conn.close()
+                    raise RanksBroken(f"a host connected as rank {rank}, which is not one it may be")
+                self.conns[rank - 1] = conn
+        self.listener = None
 
     def wait_ready(self) -> None:
-        for rank, conn in enumerate(self.conns, start=1):
+        self._accept_remote()
+        for rank, conn in enumerate(self.live(), start=1):
             try:
                 ready = conn.poll(READY_TIMEOUT_S) and conn.recv_bytes() == b"ready"
             except (EOFError, OSError):
@@ -287,13 +340,17 @@ class Followers:
                 code = self.procs[rank - 1].poll()
                 raise RanksBroken(f"rank {rank} did not load its share (exit code {code})")
 
+    def live(self) -> list[Connection]:
+        assert all(c is not None for c in self.conns), "ranks of other hosts not connected yet"
+        return [c for c in self.conns if c is not None]
+
     def send(self, msg: RankMsg, step: int | None = None) -> None:
         """To every other rank, in call order; RanksBroken if one is gone."""
         data = self.encoder.encode(msg)
         with self.lock:
             if self.broken is not None:
                 raise RanksBroken(self.broken)
-            for rank, conn in enumerate(self.conns, start=1):
+            for rank, conn in enumerate(self.live(), start=1):
                 try:
                     conn.send_bytes(data)
                 except OSError:
@@ -311,20 +368,28 @@ class Followers:
         return RanksBroken(self.broken)
 
     def kill(self) -> None:
-        """The leader failed to start: end the other ranks at once."""
+        """The leader failed to start: end the other ranks at once (another host's, by closing its
+        connection)."""
         for proc in self.procs:
             with contextlib.suppress(OSError):
                 proc.kill()
             proc.wait()
+        self._close_all()
+
+    def _close_all(self) -> None:
         for conn in self.conns:
-            conn.close()
+            if conn is not None:
+                conn.close()
+        if self.listener is not None:
+            self.listener.close()
 
     def close(self) -> None:
         with self.lock:
             for conn in self.conns:
-                with contextlib.suppress(OSError):
-                    conn.send_bytes(self.encoder.encode(RankStop()))
-                conn.close()
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        conn.send_bytes(self.encoder.encode(RankStop()))
+            self._close_all()
         for proc in self.procs:
             try:
                 proc.wait(timeout=30)
@@ -333,6 +398,63 @@ class Followers:
                 proc.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def spawn_rank(
+    model_dir: str, engine: EngineConfig, place: Place, sock: socket.socket | None
+) -> subprocess.Popen[bytes]:
+    """A rank's process (`rank_process.py`): fed over `sock` (one end of a socket pair), or, with none,
+    connecting to its leader's host once loaded (another host's rank)."""
+    args = {"model_dir": model_dir, "engine": dataclasses.asdict(engine), "place": dataclasses.asdict(place)}
+    args["log_level"] = logs.current_level()
+    fds: tuple[int, ...] = () if sock is None else (sock.fileno(),)
+    feed = "connect" if sock is None else str(sock.fileno())
+    argv = [sys.executable, "-m", "dsv4serve.executor.rank_process", feed]
+    return subprocess.Popen(
+        [*argv, json.dumps(args)],
+        pass_fds=fds,
+        stdin=subprocess.DEVNULL,
+        stdout=sys.stderr.fileno(),  # stdout may be the stdio front door's protocol stream
+        start_new_session=sock is not None,  # another host's: its `dsv4serve ranks` forwards signals
+    )
+
+
+RANK_TOKEN_ENV = "DSV4SERVE_RANK_TOKEN"  # the same on every host: a rank that does not send it is refused
+
+
+def connect_to_leader(engine: EngineConfig, place: Place) -> Connection:
+    """Another host's rank, loaded: its connection to the leader (rank id and token first)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        try:
+            sock = socket.create_connection((engine.master_addr, engine.master_port + 1), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    conn.send_bytes(msgspec.json.encode({"rank": place.tp_rank, "token": os.environ.get(RANK_TOKEN_ENV, "")}))
+    return conn
+
+
+def run_host(model_dir: str, engine: EngineConfig) -> int:
+    """`dsv4serve ranks`: this host's ranks of an engine whose leader runs on host 0 (node_rank 1 ..);
+    returns once they all ended (0 if each did cleanly)."""
+    first = engine.node_rank * engine.ranks_per_node
+    procs = [
+        spawn_rank(model_dir, engine, Place(0, rank, engine.master_port), None)
+        for rank in range(first, first + engine.ranks_per_node)
+    ]
+    try:
+        codes = [proc.wait() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return max((abs(c) for c in codes), default=0)
 
 
 IDLE_POLL_S = 0.002  # how often idle cores check whether another core has a step

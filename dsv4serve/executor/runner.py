@@ -27,7 +27,6 @@ from dsv4serve.executor.ranks import (
     Lockstep,
     Place,
     agree_min,
-    free_port,
     idle_plan,
     join_group,
 )
@@ -153,7 +152,7 @@ class ModelRunner:
         ops = ops or select(engine.device)  # a device this machine lacks fails before any weight loads
         followers = None
         if engine.tensor_parallel_size * engine.data_parallel_size > 1:
-            place = place or Place(0, 0, free_port())
+            place = place or Place.first(engine)
             if place.tp_rank == 0 and engine.tensor_parallel_size > 1:
                 followers = Followers.start(str(model_dir), engine, place)
             try:
