@@ -318,11 +318,15 @@ class Followers:
                     raise RanksBroken(f"ranks {missing} of the other hosts never connected") from None
                 sock.settimeout(None)
                 conn = Connection(sock.detach())
-                hello = msgspec.json.decode(conn.recv_bytes())
-                rank = int(hello.get("rank", 0))
-                if not hmac.compare_digest(str(hello.get("token", "")).encode(), token):
-                    conn.close()  # not one of ours
+                try:  # a peer that says nothing, or not this, in HELLO_WAIT_S is not one of ours
+                    hello = msgspec.json.decode(conn.recv_bytes(1024)) if conn.poll(HELLO_WAIT_S) else None
+                except (OSError, EOFError, msgspec.DecodeError):
+                    hello = None
+                theirs = str(hello.get("token")).encode() if isinstance(hello, dict) else None
+                if hello is None or theirs is None or not hmac.compare_digest(theirs, token):
+                    conn.close()
                     continue
+                rank = hello["rank"] if isinstance(hello.get("rank"), int) else 0
                 if not 0 < rank <= len(self.conns) or self.conns[rank - 1] is not None:
                     conn.close()
                     raise RanksBroken(f"a host connected as rank {rank}, which is not one it may be")
@@ -419,6 +423,7 @@ def spawn_rank(
     )
 
 
+HELLO_WAIT_S = 30  # for a peer that connected to say which rank it is
 RANK_TOKEN_ENV = "DSV4SERVE_RANK_TOKEN"  # the same on every host: a rank that does not send it is refused
 
 
