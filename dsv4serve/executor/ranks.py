@@ -275,9 +275,11 @@ class Followers:
     def __init__(
         self,
         procs: Sequence[subprocess.Popen[bytes] | Remote],
-        conns: Sequence[Connection | None],
+        conns: Sequence[Connection],
         listener: socket.socket | None = None,
     ) -> None:
+        """`conns`: this host's ranks'; the other hosts' (`Remote` in `procs`) join them in
+        `wait_ready`, taken from `listener`."""
         self.procs, self.conns, self.listener = list(procs), list(conns), listener
         self.encoder = msgspec.msgpack.Encoder()
         self.lock = threading.Lock()  # table writes (trio thread) and launches (a worker thread)
@@ -290,7 +292,7 @@ class Followers:
         terminal's Ctrl-C reaches the leader only, which stops them. With several hosts, the others'
         ranks connect to master_port + 1 once loaded (`wait_ready` takes them)."""
         procs: list[subprocess.Popen[bytes] | Remote] = []
-        conns: list[Connection | None] = []
+        conns: list[Connection] = []
         for rank in range(1, engine.ranks_per_node):
             ours, theirs = socket.socketpair()
             with theirs:
@@ -301,20 +303,23 @@ class Followers:
             listener = socket.create_server(("", engine.master_port + 1), reuse_port=False)
             listener.settimeout(READY_TIMEOUT_S)
             remote = engine.tensor_parallel_size - engine.ranks_per_node
-            procs, conns = [*procs, *(Remote() for _ in range(remote))], [*conns, *([None] * remote)]
+            procs += [Remote() for _ in range(remote)]
         return cls(procs, conns, listener)
 
     def _accept_remote(self) -> None:
-        """Take the other hosts' ranks as they connect (rank id and token first), each into its slot."""
+        """Take the other hosts' ranks as they connect (rank id and token first); once all are there,
+        their connections follow this host's, in rank order."""
         if self.listener is None:
             return
         token = os.environ.get(RANK_TOKEN_ENV, "").encode()
+        expected = range(len(self.conns) + 1, len(self.procs) + 1)
+        got: dict[int, Connection] = {}
         with self.listener:
-            while any(c is None for c in self.conns):
+            while len(got) < len(expected):
                 try:
                     sock, _ = self.listener.accept()
                 except TimeoutError:
-                    missing = [r for r, c in enumerate(self.conns, 1) if c is None]
+                    missing = [r for r in expected if r not in got]
                     raise RanksBroken(f"ranks {missing} of the other hosts never connected") from None
                 sock.settimeout(None)
                 conn = Connection(sock.detach())
@@ -322,20 +327,22 @@ class Followers:
                     hello = msgspec.json.decode(conn.recv_bytes(1024)) if conn.poll(HELLO_WAIT_S) else None
                 except (OSError, EOFError, msgspec.DecodeError):
                     hello = None
-                theirs = str(hello.get("token")).encode() if isinstance(hello, dict) else None
-                if hello is None or theirs is None or not hmac.compare_digest(theirs, token):
+                if not isinstance(hello, dict) or not hmac.compare_digest(
+                    str(hello.get("token")).encode(), token
+                ):
                     conn.close()
                     continue
                 rank = hello["rank"] if isinstance(hello.get("rank"), int) else 0
-                if not 0 < rank <= len(self.conns) or self.conns[rank - 1] is not None:
+                if rank not in expected or rank in got:
                     conn.close()
                     raise RanksBroken(f"a host connected as rank {rank}, which is not one it may be")
-                self.conns[rank - 1] = conn
+                got[rank] = conn
+        self.conns += [got[r] for r in expected]
         self.listener = None
 
     def wait_ready(self) -> None:
         self._accept_remote()
-        for rank, conn in enumerate(self.live(), start=1):
+        for rank, conn in enumerate(self.conns, start=1):
             try:
                 ready = conn.poll(READY_TIMEOUT_S) and conn.recv_bytes() == b"ready"
             except (EOFError, OSError):
@@ -344,17 +351,13 @@ class Followers:
                 code = self.procs[rank - 1].poll()
                 raise RanksBroken(f"rank {rank} did not load its share (exit code {code})")
 
-    def live(self) -> list[Connection]:
-        assert all(c is not None for c in self.conns), "ranks of other hosts not connected yet"
-        return [c for c in self.conns if c is not None]
-
     def send(self, msg: RankMsg, step: int | None = None) -> None:
         """To every other rank, in call order; RanksBroken if one is gone."""
         data = self.encoder.encode(msg)
         with self.lock:
             if self.broken is not None:
                 raise RanksBroken(self.broken)
-            for rank, conn in enumerate(self.live(), start=1):
+            for rank, conn in enumerate(self.conns, start=1):
                 try:
                     conn.send_bytes(data)
                 except OSError:
@@ -382,17 +385,15 @@ class Followers:
 
     def _close_all(self) -> None:
         for conn in self.conns:
-            if conn is not None:
-                conn.close()
+            conn.close()
         if self.listener is not None:
             self.listener.close()
 
     def close(self) -> None:
         with self.lock:
             for conn in self.conns:
-                if conn is not None:
-                    with contextlib.suppress(OSError):
-                        conn.send_bytes(self.encoder.encode(RankStop()))
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(self.encoder.encode(RankStop()))
             self._close_all()
         for proc in self.procs:
             try:
