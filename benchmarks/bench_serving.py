@@ -225,12 +225,14 @@ def client_proc(job: tuple[int, list[list[int]], int]) -> list[tuple[float, list
     return trio.run(main)
 
 
-def over_http(model: Path, args: argparse.Namespace, vocab: int, single: bool) -> dict[str, Any]:
+def over_http(
+    model: Path, args: argparse.Namespace, vocab: int, single: bool, fronts: int = 1
+) -> dict[str, Any]:
     port = _free_port()
     argv = [sys.executable, "-m", "dsv4serve", "serve", "--http", "--model", str(model), "--port", str(port)]
     argv += [f"--{k.replace('_', '-')}={v}" for k, v in knobs(args, max(args.concurrency)).items()]
     argv += ["--log-level", args.server_log_level, "--served-model-name", "m"]
-    argv += ["--single-process"] if single else []
+    argv += ["--single-process"] if single else ["--api-server-count", str(fronts)]
     proc = subprocess.Popen(argv)
     out: dict[str, Any] = {}
     try:
@@ -241,7 +243,9 @@ def over_http(model: Path, args: argparse.Namespace, vocab: int, single: bool) -
                 jobs = [(port, batch[i :: args.client_procs], 0) for i in range(args.client_procs)]
                 runs = []
                 for new in run_tokens(args):
-                    log(f"run: http {n} streams, {new} tokens")  # marks the server's log lines after it
+                    log(
+                        f"run: http {fronts} fronts {n} streams, {new} tokens"
+                    )  # marks the server's log lines
                     begin = time.perf_counter()
                     got = pool.map(client_proc, [(p, b, new) for p, b, _ in jobs if b])
                     runs.append((time.perf_counter() - begin, [s for part in got for s in part]))
@@ -295,6 +299,13 @@ def main() -> None:
         help="also `AsyncEngine(core_process=True)`: the boundary alone",
     )
     parser.add_argument(
+        "--api-server-count",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="`serve --http` with each number of front processes (`http`, `http_4_fronts`, ...)",
+    )
+    parser.add_argument(
         "--server-log-level", default="warning", help="info: the server's graph captures among the runs"
     )
     parser.add_argument("--out", default=None)
@@ -312,26 +323,32 @@ def main() -> None:
     model = checkpoint(args)
     vocab = config_from_dir(model).vocab_size
     REPORT.update(layers=args.layers, experts=args.experts, prompt_len=args.prompt_len, steps=args.steps)
+
+    def save() -> None:  # after each door: a run cut short keeps what it measured
+        if args.out:
+            Path(args.out).write_text(json.dumps(REPORT, indent=1))
+
     REPORT["embedded"] = embedded(model, args, vocab)
+    save()
     if args.embedded_core:
         REPORT["embedded_core_process"] = embedded(model, args, vocab, core_process=True)
-    REPORT["http"] = over_http(model, args, vocab, single=False)
+        save()
+    for fronts in args.api_server_count:
+        door = "http" if fronts == 1 else f"http_{fronts}_fronts"
+        REPORT[door] = over_http(model, args, vocab, False, fronts)
+        save()
     if not args.skip_single:
         REPORT["http_single_process"] = over_http(model, args, vocab, single=True)
+    doors = [d for d in REPORT if d.startswith(("embedded_", "http"))]
     for n in args.concurrency:
         key, base = f"n{n}", REPORT["embedded"][f"n{n}"]
         ratios = {}
-        for door in ("embedded_core_process", "http", "http_single_process"):
-            if door in REPORT:
-                for figure in ("step_ms", "ttft_p50_ms"):
-                    ratios[f"{door}_over_embedded_{figure}"] = round(
-                        REPORT[door][key][figure] / base[figure], 3
-                    )
+        for door in doors:
+            for figure in ("step_ms", "ttft_p50_ms"):
+                ratios[f"{door}_over_embedded_{figure}"] = round(REPORT[door][key][figure] / base[figure], 3)
         REPORT.setdefault("ratios", {})[key] = ratios
-    text = json.dumps(REPORT, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    save()
+    print(json.dumps(REPORT, indent=1))
 
 
 if __name__ == "__main__":

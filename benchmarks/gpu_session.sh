@@ -12,9 +12,10 @@
 #   native - issue 27's kernels: the FP8 / MXFP4 / int8 kernel tests on CUDA, bench_experts.py,
 #            bench_fp8.py, then bench_decode.py --weights for each of $WEIGHTS (default: official)
 #            ($OUT/{experts,fp8,<weights>}.json)
-#   front  - issue 29: the engine golden and pool-poison tests on CUDA (graphs on), bench_serving.py
-#            (--skip-single, the server's graph captures among its runs; $OUT/serving.json), then
-#            bench_kv_sizing.py ($OUT/kv_sizing.json)
+#   front  - issue 29: the engine golden tests on CUDA (graphs on; -k $FRONT_TESTS), bench_kv_sizing.py
+#            ($OUT/kv_sizing.json), then bench_serving.py (--skip-single, --embedded-core, HTTP with
+#            $FRONTS front processes, default "1 4"; the server's steps and graph captures in
+#            $OUT/serving.err; $OUT/serving.json)
 #   before - issue 30's single-GPU check: bench_decode.py on this tree and on the tree in $BASE (an
 #            ignored `git archive` of the commit before multi-device, carried), same flags, same machine
 #            ($OUT/{head,base}.json)
@@ -71,16 +72,18 @@ native)
 front)
     DSV4SERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_golden_engine.py \
         -k "${FRONT_TESTS:-}" 2>&1 | tail -4
-    timeout 400 python3 benchmarks/bench_serving.py --embedded-core --skip-single --server-log-level info \
-        --out "$OUT/serving.json" 2> "$OUT/serving.err" | python3 -c 'import json, sys; r = json.load(sys.stdin)
-for door in ("embedded", "embedded_core_process", "http", "http_single_process"):
-    for n, f in r.get(door, {}).items():
-        print(door, n, {k: v for k, v in f.items() if k not in ("streams_done", "ttft_all_s")})
-print(r.get("ratios"))'
-    awk '/graphs_ready/ {print; r = 1; next} /^run:|Error|Traceback/ {print; next} r && /graph_captured/' \
-        "$OUT/serving.err" | tail -60 | cut -c1-220
     timeout 100 python3 benchmarks/bench_kv_sizing.py --out "$OUT/kv_sizing.json" 2> "$OUT/kv.err" | tail -c 1500
     tail -3 "$OUT/kv.err"
+    timeout "${SERVING_S:-400}" python3 benchmarks/bench_serving.py --embedded-core --skip-single \
+        --server-log-level info --api-server-count ${FRONTS:-1 4} --out "$OUT/serving.json" \
+        2> "$OUT/serving.err" > /dev/null
+    python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+for door in [d for d in r if d.startswith(("embedded", "http"))]:
+    for n, f in r[door].items():
+        print(door, n, {k: v for k, v in f.items() if k not in ("streams_done", "ttft_all_s")})
+print(r.get("ratios"))' "$OUT/serving.json"
+    awk '/graphs_ready/ {print; r = 1; next} /^run:|Error|Traceback/ {print; next} r && /graph_captured/' \
+        "$OUT/serving.err" | tail -60 | cut -c1-220
     ;;
 before)
     shift

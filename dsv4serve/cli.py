@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -316,6 +317,13 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
         help="--http: a stream's tokens per chunk after its first (fewer writes under many streams)",
     )
     p.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="--http: front processes (HTTP, tokenizer, detokenizer) sharing the port, for many streams",
+    )
+    p.add_argument(
         "--drain-grace-s",
         type=_positive_float,
         default=30.0,
@@ -332,11 +340,22 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.http and args.api_server_count > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # several fronts: prometheus_client's multiprocess folder, set before anything imports it (so
+        # every front's metrics go there), removed at exit
+        with tempfile.TemporaryDirectory(prefix="dsv4serve-metrics-") as folder:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+            try:
+                return _run_serve(args)
+            finally:
+                del os.environ["PROMETHEUS_MULTIPROC_DIR"]
     from dsv4serve import stdio  # torch is heavy: import only when asked
     from dsv4serve.api import system_options
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):  # before anything loads or logs
         return _fail("dsv4serve serve: error: --ssl-certfile and --ssl-keyfile go together")
+    if args.api_server_count > 1 and (not args.http or args.single_process):
+        return _fail("dsv4serve serve: error: --api-server-count > 1 needs --http without --single-process")
     _load_model_config(args.model)
     options = system_options(args.model, EngineConfig(**_engine_knobs(args)), not args.single_process)
     configure_logs(args.log_level, stream=sys.stderr)
@@ -352,6 +371,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
             stream_interval=args.stream_interval,
+            api_server_count=args.api_server_count,
         )
         return run_http(options, http)
     return stdio.run(options, args.drain_grace_s)

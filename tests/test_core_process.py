@@ -76,15 +76,22 @@ def test_frames_survive_a_stream_split_anywhere() -> None:
 class Server:
     """`serve --http` as a process; its stderr (the engine core's too) read by a thread."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, fronts: int = 1) -> None:
         self.port = free_port()
         argv = [sys.executable, "-m", "dsv4serve", "serve", "--http", "--model", str(model_dir)]
         argv += ["--port", str(self.port), "--max-total-tokens", "4096", "--served-model-name", "tiny"]
+        argv += ["--api-server-count", str(fronts)]
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         self.lines: list[dict[str, Any]] = []
         threading.Thread(target=self._read, daemon=True).start()
-        ready = self.wait_for(lambda e: e.get("event") == "ready" and e.get("actor") == "http", 120)
-        assert ready, "the server did not start"
+        self.front_pids: dict[int, int] = {}  # front index -> pid (0: the server's own process)
+        deadline = time.monotonic() + 120
+        while len(self.front_pids) < fronts and time.monotonic() < deadline:
+            self.wait_for(lambda e: e.get("event") == "ready" and e.get("actor") == "http", 1)
+            self.front_pids = {
+                int(e.get("front", 0)): int(e["pid"]) for e in list(self.lines) if e.get("event") == "ready"
+            }
+        assert len(self.front_pids) == fronts, "the server did not start"
         self.core_pid = int(self.wait_for(lambda e: "core_pid" in e, 1)["core_pid"])  # type: ignore[index]
 
     def _read(self) -> None:
@@ -108,13 +115,14 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        if _alive(self.core_pid):
-            os.kill(self.core_pid, signal.SIGKILL)
+        for pid in [self.core_pid, *self.front_pids.values()]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @contextmanager
-def server(model_dir: Path) -> Iterator[Server]:
-    srv = Server(model_dir)
+def server(model_dir: Path, fronts: int = 1) -> Iterator[Server]:
+    srv = Server(model_dir, fronts)
     try:
         yield srv
     finally:
@@ -238,3 +246,89 @@ def test_a_big_batch_crosses_as_several_frames(monkeypatch: pytest.MonkeyPatch) 
         assert len(frames) > 1 and [m for f in frames for m in f] == batch
 
     trio.run(main)
+
+
+# ---------------------------------------------------------------- several front processes
+
+
+def _metrics(port: int) -> dict[str, float]:
+    """/metrics samples by name and labels (`name{label=value}`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+def test_several_fronts_share_the_port_and_sum_their_metrics(tiny_model_dir: Path) -> None:
+    """Three front processes accept from one port: concurrent streams land on more than one of them,
+    each gets the same greedy text as alone, and /metrics (whichever front answers it) counts every
+    request once."""
+    with server(tiny_model_dir, fronts=3) as srv:
+        lines, threads, started = _open_streams(srv, 24, max_tokens=8)
+        started.wait()
+        for t in threads:
+            t.join(timeout=120)
+        texts = set()
+        for stream in lines:
+            assert stream[-1] == "[DONE]" and '"finish_reason":"length"' in stream[-2], stream[-2:]
+            texts.add("".join(json.loads(d)["choices"][0]["text"] for d in stream[:-1]))
+        assert len(texts) > 1  # the prompts differ ("p0".."p23"), so do their texts
+        served = {e.get("front") for e in list(srv.lines) if e.get("event") == "request"}
+        assert len(served) >= 2, served
+        for _ in range(6):  # several scrapes: each may be answered by another front
+            m = _metrics(srv.port)
+            assert m["dsv4serve_requests_ended_total{reason=length}"] == 24, m
+            assert m["dsv4serve_http_requests_total{endpoint=/v1/completions,status=200}"] == 24
+            assert m["dsv4serve_generation_tokens_total{}"] == 24 * 8
+        deadline = time.monotonic() + 5  # the engine's gauges: the core's status, sent to every front
+        while _metrics(srv.port)["dsv4serve_requests_running{}"] and time.monotonic() < deadline:
+            time.sleep(0.1)  # (a front that had nothing new gets it every STATUS_EVERY_S)
+        assert all(_metrics(srv.port)["dsv4serve_requests_running{}"] == 0 for _ in range(6))
+
+
+def test_a_front_killed_loses_only_its_streams_and_the_server_goes_on(tiny_model_dir: Path) -> None:
+    """kill -9 of one front process: its open streams break, the core cancels their requests and frees
+    their memory, the server logs `front_died`, and the other fronts go on answering."""
+    with server(tiny_model_dir, fronts=2) as srv:
+        lines, threads, started = _open_streams(srv, 16)
+        started.wait()
+        victim = srv.front_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        died = srv.wait_for(lambda e: e.get("event") == "front_died", 30)
+        assert died is not None and died["front"] == 1, died
+        gone = srv.wait_for(lambda e: e.get("event") == "front_gone", 10)
+        assert gone is not None and gone["front"] == 1 and gone["cancelled"] >= 1, gone
+        body = {"model": "tiny", "prompt": "again", "max_tokens": 4, "temperature": 0}
+        for _ in range(4):  # new connections go to the living front
+            r = httpx.post(f"http://127.0.0.1:{srv.port}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        srv.proc.send_signal(signal.SIGTERM)  # the living front's streams (2000 tokens) drain to the end
+        for t in threads:
+            t.join(timeout=120)
+        assert srv.proc.wait(timeout=60) == 0
+        broken = [s for s in lines if s[-1] != "[DONE]"]
+        assert len(broken) == gone["cancelled"], [s[-1] for s in lines]
+        stopped = srv.wait_for(lambda e: e.get("actor") == "core" and e.get("event") == "stopped", 10)
+        assert stopped is not None and not any(stopped["pools_used"].values()), stopped
+
+
+def test_kill_9_of_the_core_errs_the_streams_of_every_front(tiny_model_dir: Path) -> None:
+    with server(tiny_model_dir, fronts=2) as srv:
+        lines, threads, started = _open_streams(srv, 8)
+        started.wait()
+        os.kill(srv.core_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=60)
+        assert srv.proc.wait(timeout=60) == 1
+        for stream in lines:
+            assert stream[-1] == "[DONE]", stream[-3:]
+            assert "engine-core process died" in json.loads(stream[-2])["error"]["message"]
+        deadline = time.monotonic() + 30
+        while _alive(srv.front_pids[1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(srv.front_pids[1]), "a front outlived the server"

@@ -307,7 +307,8 @@ def _ended(url: str) -> tuple[dict[str, float], float]:
     """/metrics: requests ended by reason, and the tokens the engine sampled."""
     with httpx.Client(base_url=url) as http:
         families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
-    ended = {s.labels["reason"]: s.value for s in families["dsv4serve_requests_ended"].samples}
+    samples = families["dsv4serve_requests_ended"].samples
+    ended = {s.labels["reason"]: s.value for s in samples if s.name.endswith("_total")}
     return ended, families["dsv4serve_engine_generated_tokens"].samples[0].value
 
 

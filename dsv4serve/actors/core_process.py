@@ -29,6 +29,7 @@ import signal
 import socket
 import struct
 import sys
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -158,18 +159,46 @@ def _nowait(outbox: trio.MemoryReceiveChannel[Any]) -> list[Any]:
 
 
 def main(argv: list[str]) -> int:
-    fd, options = int(argv[0]), msgspec.json.decode(argv[1], type=CoreOptions)
+    fds, options = [int(fd) for fd in argv[0].split(",")], msgspec.json.decode(argv[1], type=CoreOptions)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the front's (a service manager
         signal.signal(signum, signal.SIG_IGN)  # signals the whole group): it drains us over the socket
     logs.configure(options.log_level, stream=sys.stderr)
-    trio.run(_core_main, socket.socket(fileno=fd), options)
+    trio.run(_core_main, [socket.socket(fileno=fd) for fd in fds], options)
     return 0
 
 
-async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
+@dataclass(eq=False)
+class _Front:
+    """One front process's socket, as the core holds it."""
+
+    index: int
+    frames: Frames
+    drained: bool = False  # its Drain came (or its end closed)
+    gone: bool = False  # its end closed, or a write to it failed
+    status_at: float = -math.inf  # when it was last sent a status
+
+
+@dataclass(eq=False)
+class _Fronts:
+    """Every front process's socket (`--api-server-count`: several); which front each live request
+    came from. The scheduler sees one Drain: once every front has drained or gone."""
+
+    all: list[_Front]
+    owner: dict[str, _Front] = field(default_factory=dict)  # live rid -> the front it came from
+    drain_sent: bool = False
+
+    def drain_due(self) -> bool:
+        due = not self.drain_sent and all(f.drained for f in self.all)
+        self.drain_sent |= due
+        return due
+
+
+async def _core_main(socks: list[socket.socket], options: CoreOptions) -> None:
     log = structlog.get_logger().bind(actor="core")
-    sock.set_inheritable(False)  # a child of ours holding it would hide our death from the front
-    frames = Frames(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), FrontToCore)
+    for sock in socks:
+        sock.set_inheritable(False)  # a child of ours holding it would hide our death from the front
+    streams = [trio.SocketStream(trio.socket.from_stdlib_socket(sock)) for sock in socks]
+    fronts = _Fronts([_Front(i, Frames(stream, FrontToCore)) for i, stream in enumerate(streams)])
     system = options.system()
     place = None if options.port is None else Place(options.dp_rank, 0, options.port)
     runner = await trio.to_thread.run_sync(partial(ModelRunner, system.model_dir, system.engine, place=place))
@@ -177,12 +206,17 @@ async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
     allocator = device[0]
     kv = {"max_total_tokens": runner.engine.kv_tokens, "max_model_len": allocator.max_model_len}
     log.info(
-        "loaded", model_dir=options.model_dir, pool_pages=allocator.sizes.as_dict(), pid=os.getpid(), **kv
+        "loaded",
+        model_dir=options.model_dir,
+        pool_pages=allocator.sizes.as_dict(),
+        pid=os.getpid(),
+        fronts=len(socks),
+        **kv,
     )
     tokenizer_size, scheduler_size = channel_sizes(system)
     to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMsg](scheduler_size)
     to_front, outbox = trio.open_memory_channel[TokenizerMsg](tokenizer_size)
-    gauges, live = SchedulerGauges(), set[str]()
+    gauges = SchedulerGauges()
 
     def status() -> CoreStatus:
         return CoreStatus(
@@ -200,11 +234,14 @@ async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
             start_engine_actors(nursery, runner.model_cfg, system, device, scheduler, to_front, gauges)
             kv_tokens = runner.engine.kv_tokens
             ready = CoreReady(runner.weight_bytes, os.getpid(), allocator.max_model_len, kv_tokens)
-            await frames.send([ready, status()])
+            for front in fronts.all:
+                await _send(front, [ready, status()])
             gc.collect()  # what start-up left stays out of every later collection: fewer, shorter pauses
             gc.freeze()
-            nursery.start_soon(_write_to_front, outbox, frames, live, status)
-            await _read_from_front(frames, to_scheduler, live, log)
+            nursery.start_soon(_write_to_fronts, outbox, fronts, status)
+            async with to_scheduler, trio.open_nursery() as readers:
+                for front in fronts.all:
+                    readers.start_soon(_read_from_front, front, fronts, to_scheduler.clone(), log)
     except BaseException:
         runner.close(abort=True)  # the other ranks; the other data-parallel cores stop too
         raise
@@ -212,52 +249,81 @@ async def _core_main(sock: socket.socket, options: CoreOptions) -> None:
     log.info("stopped", pools_used={name: u.used for name, u in allocator.usage().items()})
 
 
+async def _send(front: _Front, messages: list[Any]) -> None:
+    """A frame to `front`, unless it is gone (a failed write makes it so: its reader cancels its
+    requests once its end reads closed)."""
+    if front.gone:
+        return
+    try:
+        await front.frames.send(messages)
+    except (*_GONE, OSError):
+        front.gone = True
+    front.status_at = trio.current_time()
+
+
 async def _read_from_front(
-    frames: Frames,
+    front: _Front,
+    fronts: _Fronts,
     to_scheduler: trio.MemorySendChannel[SchedulerMsg],
-    live: set[str],
     log: structlog.typing.FilteringBoundLogger,
 ) -> None:
-    """The front's messages into the scheduler until its end closes; then every request still live is
-    cancelled (nobody reads it any more) and the core drains."""
-    drained = False
+    """A front's messages into the scheduler until its end closes; then every request of it still live
+    is cancelled (nobody reads it any more). The core drains once every front has drained or gone."""
     async with to_scheduler:
-        while (messages := await frames.receive()) is not None:
+        while (messages := await front.frames.receive()) is not None:
             for msg in messages:
+                if isinstance(msg, Drain):
+                    front.drained = True
+                    if fronts.drain_due():
+                        await to_scheduler.send(msg)
+                    continue
                 if isinstance(msg, Tokenized):
-                    live.add(msg.rid)
-                drained |= isinstance(msg, Drain)
+                    fronts.owner[msg.rid] = front
                 await to_scheduler.send(msg)
-        if live:
-            log.warning("front_gone", cancelled=len(live))
-        for rid in sorted(live):
+        front.gone = front.drained = True
+        orphans = sorted(rid for rid, owner in fronts.owner.items() if owner is front)
+        if orphans:
+            log.warning("front_gone", front=front.index, cancelled=len(orphans))
+        for rid in orphans:
             await to_scheduler.send(CancelRequest(rid=rid))
-        if not drained:
+        if fronts.drain_due():
             await to_scheduler.send(Drain())
 
 
-async def _write_to_front(
-    outbox: trio.MemoryReceiveChannel[TokenizerMsg], frames: Frames, live: set[str], status: Any
+async def _write_to_fronts(
+    outbox: trio.MemoryReceiveChannel[TokenizerMsg], fronts: _Fronts, status: Any
 ) -> None:
-    """The scheduler's messages to the front, all that wait in one frame, each frame with the status;
-    once the front is gone the messages are dropped (the reader has cancelled their requests)."""
-    gone = False
+    """The scheduler's messages to the fronts their requests came from, all that wait in one frame per
+    front, each frame with the status (a front with nothing new gets the status alone every
+    STATUS_EVERY_S); a gone front's messages are dropped (its reader cancelled their requests)."""
     async with outbox:
         while (messages := await take_waiting(outbox, STATUS_EVERY_S)) is not None:
+            batches: dict[_Front, list[Any]] = {}
             for msg in messages:
-                for item in msg.items if isinstance(msg, Outputs) else ():
-                    if isinstance(item, FailRequest) or (
-                        isinstance(item, Detokenize) and item.finish_reason is not None
-                    ):
-                        live.discard(item.rid)
-            if gone:
-                continue
-            try:
-                await frames.send([*messages, status()])
-            except (*_GONE, OSError):
-                gone = True
-    with contextlib.suppress(*_GONE, OSError):
-        await frames.stream.send_eof()  # type: ignore[attr-defined]
+                if isinstance(msg, Drain):
+                    for front in fronts.all:
+                        batches.setdefault(front, []).append(msg)
+                    continue
+                if not isinstance(msg, Outputs):  # (the scheduler sends the tokenizer nothing else)
+                    continue
+                split: dict[_Front, list[Detokenize | FailRequest]] = {}
+                for item in msg.items:
+                    owner = fronts.owner.get(item.rid)
+                    if isinstance(item, FailRequest) or item.finish_reason is not None:
+                        fronts.owner.pop(item.rid, None)
+                    if owner is not None:
+                        split.setdefault(owner, []).append(item)
+                for front, items in split.items():  # one front (the usual case): the message as it is
+                    whole = len(split) == 1 and len(items) == len(msg.items)
+                    batches.setdefault(front, []).append(msg if whole else Outputs(items=tuple(items)))
+            now, current = trio.current_time(), status()
+            for front in fronts.all:
+                batch = batches.get(front)
+                if batch or now - front.status_at >= STATUS_EVERY_S:
+                    await _send(front, [*(batch or ()), current])
+    for front in fronts.all:
+        with contextlib.suppress(*_GONE, OSError):
+            await front.frames.stream.send_eof()  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

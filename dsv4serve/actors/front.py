@@ -7,6 +7,10 @@ Several cores: a new request goes to the core with the fewest live tokens (`Rout
 stop hits follow it; a drain goes to every core, and the tokenizer sees one Drain once all drained; the
 gauges and pools are the cores' sums. A core that dies (its socket ends before its Drain) fails every
 live request and stops the engine (`EngineHandle.core_died`).
+
+Several front processes (`serve --http --api-server-count N`): the first one makes every socket pair
+(`FrontLinks`), starts the cores with one end per front and hands the other fronts their ends; each
+front then runs as here, attached to cores it did not start (`run_front(attach=...)`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import contextlib
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -53,21 +59,47 @@ _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 async def run_engine(
-    options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED
+    options: SystemOptions,
+    *,
+    links: FrontLinks | None = None,
+    attach: Sequence[socket.socket] = (),
+    task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The engine every front door runs: in this process, or (`options.core_process`) with its core in
-    a process of its own; returns after drain or shutdown."""
-    if options.core_process:
-        await run_front(options, task_status=task_status)
+    a process of its own; returns after drain or shutdown. `links` and `attach`: see `run_front`."""
+    if options.core_process or attach:
+        await run_front(options, links=links, attach=attach, task_status=task_status)
     else:
         await run_system(options, task_status=task_status)
 
 
 @dataclass(eq=False)
-class _Core:
-    """One engine-core process as the front holds it."""
+class FrontLinks:
+    """The socket pairs joining N front processes to the engine cores: front f's end to core d is
+    `fronts[f][d]`; core d is started with `cores[d]`, one end per front in front order. Whoever holds
+    an end it does not use closes it (a peer's death shows as the end of its stream)."""
 
-    process: trio.Process
+    fronts: list[list[socket.socket]]
+    cores: list[list[socket.socket]]
+
+    @classmethod
+    def make(cls, num_fronts: int, num_cores: int) -> FrontLinks:
+        pair = partial(socket.socketpair, socket.AF_UNIX, socket.SOCK_STREAM)
+        pairs = [[pair() for _ in range(num_cores)] for _ in range(num_fronts)]
+        fronts = [[front_end for front_end, _ in row] for row in pairs]
+        cores = [[pairs[f][d][1] for f in range(num_fronts)] for d in range(num_cores)]
+        return cls(fronts, cores)
+
+    def close(self) -> None:
+        for sock in [s for row in self.fronts + self.cores for s in row]:
+            sock.close()
+
+
+@dataclass(eq=False)
+class _Core:
+    """One engine-core process as the front holds it (`process`: None where another front started it)."""
+
+    process: trio.Process | None
     frames: Frames
     ready: CoreReady | None = None
     status: CoreStatus | None = None
@@ -114,22 +146,31 @@ class Router:
 
 
 async def run_front(
-    options: SystemOptions, *, task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED
+    options: SystemOptions,
+    *,
+    links: FrontLinks | None = None,
+    attach: Sequence[socket.socket] = (),
+    task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start the engine-core processes (one, or one per data-parallel rank), then run the handle and
-    the tokenizer against them."""
+    the tokenizer against them. With `links`, the cores are started with one socket per front and this
+    front uses `links.fronts[0]`; with `attach` (one socket per core, from the first front), no core is
+    started: this is another front of cores that run already."""
     if options.prebuilt is not None:
         raise ValueError("core_process: a prebuilt model cannot cross into the engine-core process")
     log = structlog.get_logger().bind(actor="system")
     model = config_from_dir(options.model_dir)
     bos = spec_for(model.model_type).prompt_bos
     tok = await trio.to_thread.run_sync(lambda: load_tokenizer(options.model_dir, require_bos=bos))
-    num = options.engine.data_parallel_size
-    port = free_port() if num > 1 else None
-    cores: list[_Core] = []
+    num = len(attach) or options.engine.data_parallel_size
+    port = free_port() if num > 1 and not attach else None
+    cores: list[_Core] = [_Core(None, Frames(_stream(sock), CoreToFront)) for sock in attach]
     try:
-        for dp_rank in range(num):
-            cores.append(await _start_core(options, dp_rank, port))
+        for dp_rank in range(0 if attach else num):
+            own = links.fronts[0][dp_rank] if links else None
+            cores.append(
+                await _start_core(options, dp_rank, port, own, links.cores[dp_rank] if links else ())
+            )
         ready = await _ready(cores)
         log.info(
             "loaded",
@@ -172,6 +213,8 @@ async def run_front(
             for core in cores:
                 await core.frames.stream.aclose()
             for core in cores:
+                if core.process is None:  # another front's core: it exits once every front has gone
+                    continue
                 with trio.move_on_after(EXIT_WAIT_S):
                     await core.process.wait()
                 if core.process.returncode is None:
@@ -185,7 +228,7 @@ async def _ready(cores: list[_Core]) -> list[CoreReady]:
     for core in cores:
         first = await core.frames.receive()
         if not first or not isinstance(first[0], CoreReady):
-            code = await core.process.wait()
+            code = "unknown" if core.process is None else await core.process.wait()
             raise EngineCoreDied(f"the engine-core process exited with code {code} before it was ready")
         core.ready = first[0]
         _apply(first[1:], core, cores, [])
@@ -200,8 +243,22 @@ def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
     return out
 
 
-async def _start_core(options: SystemOptions, dp_rank: int, port: int | None) -> _Core:
-    front_sock, core_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+def _stream(sock: socket.socket) -> trio.SocketStream:
+    return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+
+
+async def _start_core(
+    options: SystemOptions,
+    dp_rank: int,
+    port: int | None,
+    front_sock: socket.socket | None = None,
+    core_socks: Sequence[socket.socket] = (),
+) -> _Core:
+    """A core process; its sockets: `core_socks` (one per front; they are closed here once it holds
+    them) with `front_sock` this front's end, or a new pair."""
+    if front_sock is None:
+        front_sock, core_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        core_socks = (core_sock,)
     core_options = CoreOptions(
         model_dir=str(options.model_dir),
         engine=asdict(options.engine),
@@ -211,17 +268,20 @@ async def _start_core(options: SystemOptions, dp_rank: int, port: int | None) ->
         dp_rank=dp_rank,
         port=port,
     )
-    argv = [sys.executable, "-m", "dsv4serve.actors.core_process", str(core_sock.fileno())]
-    with core_sock:
+    fds = [sock.fileno() for sock in core_socks]
+    argv = [sys.executable, "-m", "dsv4serve.actors.core_process", ",".join(map(str, fds))]
+    try:
         process = await trio.lowlevel.open_process(
             [*argv, msgspec.json.encode(core_options).decode()],
-            pass_fds=(core_sock.fileno(),),
+            pass_fds=fds,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr.fileno(),  # stdout may be the stdio front door's protocol stream
             start_new_session=True,  # a terminal's Ctrl-C reaches the front only
         )
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(front_sock))
-    return _Core(process, Frames(stream, CoreToFront))
+    finally:
+        for sock in core_socks:
+            sock.close()
+    return _Core(process, Frames(_stream(front_sock), CoreToFront))
 
 
 def _pools(cores: list[_Core]) -> dict[str, tuple[int, int]]:
@@ -276,9 +336,11 @@ async def _read_from_core(
                     await tokenizer.send(msg)
     if core.drained:
         return
-    with trio.move_on_after(1.0):
-        await core.process.wait()
-    code = core.process.returncode
+    code: int | str | None = "unknown"  # another front started it
+    if core.process is not None:
+        with trio.move_on_after(1.0):
+            await core.process.wait()
+        code = core.process.returncode
     message = f"the engine-core process died (exit code {code}) before the request finished"
     structlog.get_logger().bind(actor="system").error("engine_core_died", exit_code=code)
     handle.core_died(message)

@@ -261,7 +261,8 @@ class EngineHandle:
         pools = {name: PoolStat(used=u, capacity=c) for name, (u, c) in self.pool_usage().items()}
         return StatsEvent(
             running=gauges.running,
-            waiting=max(0, self._clients.num_live - gauges.running),
+            # this front's requests not running, or (several fronts) the core's count if larger
+            waiting=max(gauges.waiting, self._clients.num_live - gauges.running),
             pools=pools,
             tokens_per_s=gauges.tokens_per_s(now, uptime),
             num_steps=gauges.num_steps,
@@ -275,6 +276,10 @@ class EngineHandle:
 
     def pool_usage(self) -> dict[str, tuple[int, int]]:
         return self._pool_usage()
+
+    def on_end(self, watch: Callable[[str], None]) -> None:
+        """`watch(reason)` at every accepted request's end (stop, length, cancelled, error, ...)."""
+        self._clients.watchers.append(watch)
 
     async def drain(self) -> None:
         if not self._draining and not self.stopped.is_set():

@@ -63,6 +63,7 @@ class Clients:
         self._by_rid: dict[str, Client] = {}
         self.num_live = 0
         self.ended_by_reason: dict[str, int] = {}  # every accepted request once, by how it ended
+        self.watchers: list[Callable[[str], None]] = []  # told each end's reason (metrics)
 
     def get(self, rid: str) -> Client | None:
         return self._by_rid.get(rid)
@@ -78,6 +79,8 @@ class Clients:
         client.ended = True
         self.num_live -= 1
         self.ended_by_reason[reason] = self.ended_by_reason.get(reason, 0) + 1
+        for watch in self.watchers:
+            watch(reason)
         self._forget_if_done(rid, client)
         return client
 

@@ -62,7 +62,7 @@ class AppOptions:
 class OpenAIApp:
     def __init__(self, handle: EngineHandle, template: ChatTemplate, options: AppOptions) -> None:
         self.handle, self.template, self.options = handle, template, options
-        self.metrics = Metrics(handle.stats)
+        self.metrics = Metrics(handle.stats, handle.on_end)
         self.draining = False
         self.drained = trio.Event()
         self.num_in_flight = 0

@@ -1,12 +1,19 @@
 """`/metrics`: the engine's gauges (read from `EngineHandle.stats()` at each scrape) and the HTTP
-layer's histograms, in Prometheus text (prometheus_client, one registry per server)."""
+layer's counters and histograms, in Prometheus text (prometheus_client, one registry per server).
+
+Several front processes (`--api-server-count`): prometheus_client's multiprocess mode (the first front
+sets `PROMETHEUS_MULTIPROC_DIR` for all before any import): every front's counters and histograms are
+summed at each scrape, whichever front answers it; the engine's gauges are the cores' own (every front
+gets their status)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from dsv4serve.protocol import DoneEvent, StatsEvent
@@ -40,15 +47,6 @@ class _EngineCollector(Collector):
         yield weights
         yield CounterMetricFamily("dsv4serve_preemptions", "Preemptions", s.num_preemptions)
         yield CounterMetricFamily("dsv4serve_engine_steps", "Engine steps", s.num_steps)
-        yield CounterMetricFamily("dsv4serve_requests_finished", "Requests finished", s.num_finished)
-        by_reason = CounterMetricFamily(
-            "dsv4serve_requests_ended",
-            "Requests ended, by finish reason (cancelled, error too)",
-            labels=["reason"],
-        )
-        for reason, n in sorted(s.finished_by_reason.items()):
-            by_reason.add_metric([reason], n)
-        yield by_reason
         yield CounterMetricFamily(
             "dsv4serve_engine_generated_tokens",
             "Tokens sampled by the engine (cancelled requests' too)",
@@ -57,10 +55,24 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], StatsEvent]) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(
+        self, stats: Callable[[], StatsEvent], on_end: Callable[[Callable[[str], None]], None]
+    ) -> None:
+        self.registry = CollectorRegistry()  # what a scrape renders
         self.registry.register(_EngineCollector(stats))
         r = self.registry
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if folder:  # this front's values go to its files there; a scrape sums every front's
+            MultiProcessCollector(self.registry, path=folder)
+            r = CollectorRegistry()
+        self.requests_finished = Counter("dsv4serve_requests_finished", "Requests finished", registry=r)
+        self.requests_ended = Counter(
+            "dsv4serve_requests_ended",
+            "Requests ended, by finish reason (cancelled, error too)",
+            ["reason"],
+            registry=r,
+        )
+        on_end(self._ended)
         self.http_requests = Counter(
             "dsv4serve_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
         )
@@ -81,6 +93,10 @@ class Metrics:
         )
         self.prompt_tokens = Counter("dsv4serve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("dsv4serve_generation_tokens", "Generated tokens", registry=r)
+
+    def _ended(self, reason: str) -> None:
+        self.requests_finished.inc()
+        self.requests_ended.labels(reason).inc()
 
     def finished(self, done: DoneEvent) -> None:
         t = done.timing

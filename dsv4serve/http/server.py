@@ -3,31 +3,46 @@
 `serve_http` starts the engine, then the server, and hands back an `HttpServer`. Drain (SIGINT or
 SIGTERM under `run`, or `HttpServer.begin_drain()`): new generation requests get 503 while the ones in
 flight finish; then the server stops listening and the engine drains and stops.
+
+Several front processes (`HttpOptions.api_server_count`, `serve --http --api-server-count N`): each
+runs this server, its own tokenizer and detokenizer, and accepts from one listening socket; the first
+one binds it, starts the engine cores (one socket per front each: `FrontLinks`) and the other fronts
+(`python -m dsv4serve.http.server`), forwards every signal to them and exits after them. A front that
+dies is logged (`front_died`); the cores cancel its requests and the others go on serving.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import signal
+import socket
+import subprocess
+import sys
 import types
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from functools import partial
 from http import HTTPStatus
 from typing import Any
 
 import h11
 import hypercorn.protocol.h11 as hypercorn_h11
+import msgspec
 import structlog
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from dsv4serve.actors.front import run_engine
+from dsv4serve import logs
+from dsv4serve.actors.core_process import EXIT_WAIT_S, CoreOptions
+from dsv4serve.actors.front import FrontLinks, run_engine
 from dsv4serve.actors.system import EngineHandle, SystemOptions, is_core_death
 from dsv4serve.http.app import MAX_BODY_BYTES, AppOptions, OpenAIApp
 from dsv4serve.models.registry import spec_for
 
 REASONS = {status.value: status.phrase for status in HTTPStatus}
+ORPHAN_CHECK_S = 0.5  # how often a front after the first checks that the first one lives
 LISTEN_BACKLOG = 4096  # hypercorn's default (100) has the kernel drop connections of a larger burst
 
 
@@ -59,6 +74,7 @@ class HttpOptions:
     ssl_certfile: str | None = None  # both: HTTPS (hypercorn's own TLS)
     ssl_keyfile: str | None = None
     stream_interval: int = 1  # a stream's tokens per chunk after its first (`AppOptions`)
+    api_server_count: int = 1  # front processes sharing the port (`run`; the engine core apart)
 
 
 @dataclass(frozen=True)
@@ -71,16 +87,29 @@ class HttpServer:
         self.app.begin_drain()
 
 
+@dataclass(frozen=True)
+class _Front:
+    """How this process's server is joined to the others (several fronts): its listening socket's
+    descriptor and its links to the cores (`links` in the first front, `attach` in the others)."""
+
+    listen_fd: int
+    links: FrontLinks | None = None
+    attach: tuple[socket.socket, ...] = ()
+    parent_pid: int | None = None  # the first front's, in the others (whose death drains them)
+
+
 async def serve_http(
     options: SystemOptions,
     http: HttpOptions,
+    front: _Front | None = None,
     *,
     task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until drained (see the module docstring); the engine stops with it."""
     log = structlog.get_logger().bind(actor="http")
     async with trio.open_nursery() as nursery:
-        handle: EngineHandle = await nursery.start(run_engine, options)
+        engine = run_engine if front is None else partial(run_engine, links=front.links, attach=front.attach)
+        handle: EngineHandle = await nursery.start(engine, options)
         app_options = AppOptions(
             model_name=http.model_name or options.model_dir.name,
             max_model_len=handle.max_model_len,
@@ -92,13 +121,13 @@ async def serve_http(
         app = OpenAIApp(handle, template, app_options)
         _give_hypercorn_reason_phrases()
         config = Config()
-        config.bind = [f"{http.host}:{http.port}"]
+        config.bind = [f"{http.host}:{http.port}" if front is None else f"fd://{front.listen_fd}"]
         config.backlog = LISTEN_BACKLOG
         config.accesslog = None
         config.errorlog = None  # unexpected failures reach our logs through the nursery
         config.certfile, config.keyfile = http.ssl_certfile, http.ssl_keyfile
         urls = await nursery.start(partial(serve, app, config, shutdown_trigger=app.drained.wait))  # type: ignore[arg-type]
-        log.info("ready", model=str(options.model_dir), urls=list(urls))
+        log.info("ready", model=str(options.model_dir), urls=list(urls), pid=os.getpid())
         gc.collect()  # what start-up left stays out of every later collection: fewer, shorter pauses
         gc.freeze()
         task_status.started(HttpServer(app, handle, tuple(urls)))
@@ -116,11 +145,14 @@ async def _drain_when_stopped(handle: EngineHandle, app: OpenAIApp) -> None:
     app.begin_drain()
 
 
-def run(options: SystemOptions, http: HttpOptions) -> int:
-    """The `serve --http` process body: exit status 0 after a signal-triggered drain, 1 when the engine
-    core died (every request in flight got an error)."""
+def run(options: SystemOptions, http: HttpOptions, front: _Front | None = None) -> int:
+    """The `serve --http` process body (one front, or the first of several): exit status 0 after a
+    signal-triggered drain, 1 when the engine core died (every request in flight got an error)."""
     try:
-        trio.run(_main, options, http)
+        if http.api_server_count > 1 and front is None:
+            trio.run(_main_of_fronts, options, http)
+        else:
+            trio.run(_main, options, http, front, ())
     except BaseException as exc:
         if not is_core_death(exc):
             raise
@@ -128,12 +160,23 @@ def run(options: SystemOptions, http: HttpOptions) -> int:
     return 0
 
 
-async def _main(options: SystemOptions, http: HttpOptions) -> None:
-    """A first signal drains, a second one stops the engine at once (requests in flight fail)."""
+async def _main(
+    options: SystemOptions, http: HttpOptions, front: _Front | None, others: Sequence[trio.Process]
+) -> None:
+    """A first signal drains, a second one stops the engine at once (requests in flight fail); each
+    signal goes to the other fronts too."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            server: HttpServer = await nursery.start(_serve_then_stop, options, http, nursery.cancel_scope)
-            async for _ in signals:
+            serve = partial(_serve_then_stop, options, http, front, nursery.cancel_scope)
+            server: HttpServer = await nursery.start(serve)
+            for index, other in enumerate(others, 1):
+                nursery.start_soon(_watch_front, index, other, server.app)
+            if front is not None and front.parent_pid is not None:
+                nursery.start_soon(_drain_when_orphaned, front.parent_pid, server.app)
+            async for signum in signals:
+                for other in others:
+                    if other.returncode is None:
+                        other.send_signal(signum)
                 if server.app.draining:
                     server.handle.shutdown()
                 server.begin_drain()
@@ -142,9 +185,123 @@ async def _main(options: SystemOptions, http: HttpOptions) -> None:
 async def _serve_then_stop(
     options: SystemOptions,
     http: HttpOptions,
+    front: _Front | None,
     scope: trio.CancelScope,
     *,
     task_status: trio.TaskStatus[HttpServer],
 ) -> None:
-    await serve_http(options, http, task_status=task_status)
+    await serve_http(options, http, front, task_status=task_status)
     scope.cancel()
+
+
+# ---------------------------------------------------------------- several front processes
+
+
+class FrontProcessOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What a front process after the first is started with (its command line's JSON)."""
+
+    engine: CoreOptions  # the engine's options, as a core gets them
+    http: dict[str, Any]  # HttpOptions' fields
+    index: int  # 1.. (the first front is 0)
+    parent_pid: int
+    listen_fd: int
+    core_fds: list[int]  # one per engine core
+
+
+async def _main_of_fronts(options: SystemOptions, http: HttpOptions) -> None:
+    """The first front: bind, link the cores to every front, start the other fronts, serve; then wait
+    for the others to exit (killed after EXIT_WAIT_S)."""
+    if not options.core_process:
+        raise ValueError("api_server_count > 1 needs the engine core in a process of its own")
+    structlog.contextvars.bind_contextvars(front=0)
+    listener = _listen(http.host, http.port)
+    links = FrontLinks.make(http.api_server_count, options.engine.data_parallel_size)
+    others: list[trio.Process] = []
+    try:
+        for index in range(1, http.api_server_count):
+            others.append(await _start_front(options, http, index, listener, links.fronts[index]))
+    finally:
+        for ends in links.fronts[1:]:
+            for end in ends:
+                end.close()
+    try:
+        await _main(options, http, _Front(listener.detach(), links=links), others)
+    finally:
+        with trio.CancelScope(shield=True):
+            for other in others:
+                with trio.move_on_after(EXIT_WAIT_S):
+                    await other.wait()
+                if other.returncode is None:
+                    other.kill()
+                    await other.wait()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket every front accepts from (TCP_NODELAY, as hypercorn sets on its own)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(address)
+    sock.listen(LISTEN_BACKLOG)
+    return sock
+
+
+async def _start_front(
+    options: SystemOptions, http: HttpOptions, index: int, listener: socket.socket, ends: list[socket.socket]
+) -> trio.Process:
+    engine = CoreOptions(
+        model_dir=str(options.model_dir),
+        engine=asdict(options.engine),
+        max_waiting=options.max_waiting,
+        max_inflight_steps=options.max_inflight_steps,
+        log_level=logs.current_level(),
+    )
+    fds = [end.fileno() for end in ends]
+    front = FrontProcessOptions(
+        engine=engine,
+        http=asdict(http),
+        index=index,
+        parent_pid=os.getpid(),
+        listen_fd=listener.fileno(),
+        core_fds=fds,
+    )
+    argv = [sys.executable, "-m", "dsv4serve.http.server", msgspec.json.encode(front).decode()]
+    return await trio.lowlevel.open_process(
+        argv,
+        pass_fds=(listener.fileno(), *fds),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # signals reach it through the first front
+    )
+
+
+async def _watch_front(index: int, process: trio.Process, app: OpenAIApp) -> None:
+    code = await process.wait()
+    if code != 0 or not app.draining:
+        structlog.get_logger().bind(actor="http").error("front_died", front=index, exit_code=code)
+
+
+async def _drain_when_orphaned(parent_pid: int, app: OpenAIApp) -> None:
+    """A front after the first drains once the first is gone (it forwards the signals)."""
+    while os.getppid() == parent_pid:
+        await trio.sleep(ORPHAN_CHECK_S)
+    structlog.get_logger().bind(actor="http").warning("first_front_gone")
+    app.begin_drain()
+
+
+def front_main(argv: list[str]) -> int:
+    """A front process after the first (`python -m dsv4serve.http.server OPTIONS_JSON`)."""
+    given = msgspec.json.decode(argv[0], type=FrontProcessOptions)
+    logs.configure(given.engine.log_level, stream=sys.stderr)
+    structlog.contextvars.bind_contextvars(front=given.index)
+    attach = tuple(socket.socket(fileno=fd) for fd in given.core_fds)
+    http = HttpOptions(**given.http)
+    return run(
+        given.engine.system(), http, _Front(given.listen_fd, attach=attach, parent_pid=given.parent_pid)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(front_main(sys.argv[1:]))
