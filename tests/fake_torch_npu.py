@@ -10,6 +10,7 @@ import contextlib
 import sys
 import types
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -284,6 +285,166 @@ def fake_lightning_indexer(
     return out, torch.empty(0)
 
 
+MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+MASK_SIDE = 2048
+
+
+def _host_lengths(lengths: Any, name: str) -> list[int]:
+    """A SymInt[] argument: a host list of non-negative ints (never a device tensor)."""
+    assert isinstance(lengths, list | tuple), f"{name}: a host list, not {type(lengths).__name__}"
+    assert all(type(n) is int and n >= 0 for n in lengths), f"{name}: non-negative ints"
+    return list(lengths)
+
+
+def _cumulative(ends: list[int], name: str) -> list[int]:
+    """TND's cumulative ends -> each batch entry's [start, end)."""
+    assert 0 < len(ends) <= 4096 and all(b >= a for a, b in pairwise(ends)), f"{name}: cumulative"
+    return [0, *ends]
+
+
+def _paged_rows(cache, table, b, length, block_size, heads):  # type: ignore[no-untyped-def]
+    """Rows 0..length-1 of batch entry b through its block table: (length, KV_N, D). A cache is BnBsH
+    (blocks, block_size, KV_N * D) or BnNBsD (blocks, KV_N, block_size, D)."""
+    assert length <= table.shape[1] * block_size, "a kv length past the block table"
+    j = torch.arange(length)
+    blocks = table[b, j // block_size].long()
+    assert bool(((blocks >= 0) & (blocks < cache.shape[0])).all()), "a block id out of range"
+    if cache.dim() == 3:
+        return cache[blocks, j % block_size].view(length, heads, -1)
+    return cache[blocks, :, j % block_size]
+
+
+def _causal_mask_checked(atten_mask: torch.Tensor | None) -> None:
+    """sparse_mode 2 / 3 / 4 take the optimized mask: (2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048),
+    bool / int8 / uint8, 1 (masked) above the diagonal (the user guarantees its triangle)."""
+    assert atten_mask is not None, "sparse_mode 3 needs the optimized atten_mask"
+    assert atten_mask.dtype in (torch.bool, torch.int8, torch.uint8)
+    assert atten_mask.shape in ((MASK_SIDE,) * 2, (1,) + (MASK_SIDE,) * 2, (1, 1) + (MASK_SIDE,) * 2)
+    upper = torch.ones(MASK_SIDE, MASK_SIDE, dtype=torch.bool).triu(1)
+    assert torch.equal(atten_mask.reshape(MASK_SIDE, MASK_SIDE).bool(), upper), "not the causal mask"
+
+
+def fake_fused_infer_attention_score(
+    query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+    actual_seq_lengths_kv=None, block_table=None, query_rope=None, key_rope=None, num_heads=1, scale=1.0,
+    pre_tokens=2147483647, next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0,
+    sparse_mode=0, inner_precise=0, block_size=0, antiquant_mode=0, softmax_lse_flag=False, **others,
+):  # fmt: skip
+    """`torch_npu.npu_fused_infer_attention_score` (op-plugin doc, ../reference notes 5.1) on Atlas A2 / A3,
+    unquantized, BSND and TND: out = softmax(scale * (q . k + q_rope . k_rope) + mask) v per batch entry,
+    KV head h // (N / KV_N) for query head h. TND: `actual_seq_lengths` the cumulative query ends (<= 4,096
+    entries, the last = T); `actual_seq_lengths_kv` cumulative too, or per entry under PageAttention.
+    PageAttention (`block_table` int32 (B, >= pages), `block_size`): key / value / key_rope are pages
+    (BnBsH, or BnNBsD under TND); row j of entry b is page block_table[b, j // block_size], offset
+    j % block_size; the kv lengths are required. `query_rope` / `key_rope` (D 64) together: MLA, where
+    query D is 512 (modelled here), N in 1, 2, 4, ..., 128, KV_N 1, sparse_mode 0 / 3 / 4, block_size a
+    multiple of 16 up to 1,024, no softmax_lse. sparse_mode 0 without a mask: none; 3: right-down causal
+    (query i of an entry's S1 sees keys j <= S2 - S1 + i) with the optimized 2048 mask. S2 = 0 or no
+    visible key: zeros. Inputs contiguous; the lengths host lists; `scale` explicit (default 1.0). Returns
+    (out in query's layout with value's D, softmax_lse fp32 (T, N, 1) / (B, N, S, 1) with the flag, else
+    a zero (1,))."""
+    assert all(v in (None, 0, False) for v in others.values()), f"not modelled: {others}"
+    assert pse_shift is None and antiquant_mode == 0 and inner_precise in (0, 1)
+    if input_layout not in ("BSND", "TND"):
+        raise NotImplementedError(f"input_layout {input_layout!r} is not modelled")
+    assert query.dtype in (torch.float16, torch.bfloat16), "query: fp16 / bf16"
+    assert key.dtype == value.dtype == query.dtype and key.shape == value.shape, "unquantized K, V alike"
+    for t in (query, key, value, query_rope, key_rope):
+        assert t is None or t.is_contiguous(), "non-contiguous inputs are not supported"
+    tnd, paged, mla = input_layout == "TND", block_table is not None, query_rope is not None
+    N, D = query.shape[-2:]
+    kv_heads = num_key_value_heads or num_heads
+    assert num_heads == N and N % kv_heads == 0 and D <= 512 and isinstance(scale, float)
+    assert (key_rope is None) == (not mla), "query_rope and key_rope come together"
+    if mla:
+        if D != 512:
+            raise NotImplementedError("MLA with query D 128 is not modelled")
+        assert query_rope.shape == (*query.shape[:-1], 64) and query_rope.dtype == query.dtype
+        assert key_rope.dtype == key.dtype and key_rope.shape[:-1] == key.shape[:-1]
+        assert key_rope.shape[-1] == 64 * (kv_heads if paged and key.dim() == 3 else 1)
+        assert N in MLA_HEADS and kv_heads == 1 and sparse_mode in (0, 3, 4) and not softmax_lse_flag
+        assert not paged or (block_size % 16 == 0 and 0 < block_size <= 1024)
+    else:
+        assert N // kv_heads <= 64
+    if sparse_mode == 3:
+        _causal_mask_checked(atten_mask)
+    elif sparse_mode == 0:
+        if atten_mask is not None:
+            raise NotImplementedError("sparse_mode 0 with a full mask is not modelled")
+    elif sparse_mode in (1, 2, 4):
+        raise NotImplementedError(f"sparse_mode {sparse_mode} is not modelled")
+    else:
+        raise ValueError(f"sparse_mode {sparse_mode}: only 0..4 are supported")
+    # each batch entry's query rows, as (entry index into query, row range)
+    if tnd:
+        q_starts = _cumulative(_host_lengths(actual_seq_lengths, "actual_seq_lengths"), "actual_seq_lengths")
+        assert q_starts[-1] == query.shape[0], "TND: the last cumulative length is T"
+        B = len(q_starts) - 1
+        q_rows = [(slice(q_starts[b], q_starts[b + 1]),) for b in range(B)]
+    else:
+        B, S = query.shape[:2]
+        q_lens = [S] * B
+        if actual_seq_lengths is not None and S > 1:  # ignored for Q_S = 1 outside TND
+            given = _host_lengths(actual_seq_lengths, "actual_seq_lengths")
+            q_lens = given * B if len(given) == 1 else given[:B]
+        q_rows = [(b, slice(0, n)) for b, n in enumerate(q_lens)]
+    if paged:
+        assert block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == B
+        assert key.dim() == 3 or (tnd and key.dim() == 4), "PA caches: BnBsH (BnNBsD under TND too)"
+        assert key.shape[1 if key.dim() == 3 else 2] == block_size
+        kv_lens = _host_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv")
+        if not tnd:  # one length for all, or the first B
+            kv_lens = kv_lens * B if len(kv_lens) == 1 else kv_lens[:B]
+        assert len(kv_lens) == B, "PA: one kv length a batch entry"
+        if not tnd and query.shape[1] == 1:
+            assert max(kv_lens) <= 262144, "Q_S = 1: KV_S up to 262,144"
+        if not mla:
+            q_max = max(r[-1].stop - (r[-1].start or 0) for r in q_rows)
+            assert (0 < block_size <= 512) and (q_max == 1 or block_size % 128 == 0), block_size
+
+        def kv(cache, b):  # type: ignore[no-untyped-def]
+            return _paged_rows(cache, block_table, b, kv_lens[b], block_size, kv_heads)
+    elif tnd:
+        kv_starts = _cumulative(_host_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv"), "kv lengths")
+        assert len(kv_starts) == B + 1 and kv_starts[-1] <= key.shape[0]
+
+        def kv(cache, b):  # type: ignore[no-untyped-def]
+            return cache[kv_starts[b] : kv_starts[b + 1]]
+    else:
+        kv_lens = [key.shape[1]] * B
+        if actual_seq_lengths_kv is not None:
+            given = _host_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv")
+            kv_lens = given * B if len(given) == 1 else given[:B]
+
+        def kv(cache, b):  # type: ignore[no-untyped-def]
+            return cache[b, : kv_lens[b]]
+
+    value_dim = value.shape[-1] // (kv_heads if paged and value.dim() == 3 else 1)  # BnBsH: KV_N * D
+    out = query.new_zeros(*query.shape[:-1], value_dim)
+    lse = torch.full((*query.shape[:-1], 1), float("-inf"))  # (T, N, 1) / (B, S, N, 1)
+    for b, rows in enumerate(q_rows):
+        q = query[rows].float()  # (S1, N, D)
+        k, v = kv(key, b).float(), kv(value, b).float()  # (S2, KV_N, D)
+        S1, S2 = q.shape[0], k.shape[0]
+        if S1 == 0 or S2 == 0:
+            continue
+        group = N // kv_heads
+        scores = torch.einsum("qnd,knd->nqk", q, k.repeat_interleave(group, 1))
+        if mla:
+            k_rope = kv(key_rope, b).float().repeat_interleave(group, 1)
+            scores = scores + torch.einsum("qnd,knd->nqk", query_rope[rows].float(), k_rope)
+        scores = scores * scale
+        if sparse_mode == 3:
+            seen = torch.arange(S2)[None, :] <= (S2 - S1 + torch.arange(S1))[:, None]  # (S1, S2)
+            scores = scores.masked_fill(~seen, float("-inf"))
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key: 0
+        out[rows] = torch.einsum("nqk,knd->qnd", weights, v.repeat_interleave(group, 1)).to(query.dtype)
+        lse[rows] = torch.logsumexp(scores, dim=-1).transpose(0, 1)[..., None]
+    if not softmax_lse_flag:
+        return out, torch.zeros(1)
+    return out, (lse if tnd else lse.transpose(1, 2))  # TND (T, N, 1); else (B, N, S, 1)
+
+
 FAKES = {
     "npu_dynamic_quant": fake_dynamic_quant,
     "npu_quant_matmul": fake_quant_matmul,
@@ -294,6 +455,7 @@ FAKES = {
     "npu_rms_norm": fake_rms_norm,
     "npu_rotary_mul": fake_rotary_mul,
     "npu_lightning_indexer": fake_lightning_indexer,
+    "npu_fused_infer_attention_score": fake_fused_infer_attention_score,
     **CUSTOM,
 }
 

@@ -61,13 +61,14 @@ def _family(ops: Any, name: str) -> Any:
 def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> None:
     """The families the npu backend maps (the rest run the reference until they are built)."""
     ops = select("npu")
-    names = ["linear", "rms_norm", "gating_top_k", "routed_experts", "mla"]
+    names = ["linear", "rms_norm", "gating_top_k", "routed_experts"]
     names += [f"dsv4.{f.name}" for f in dataclasses.fields(REFERENCE.dsv4)]
+    names += [f"mla.{f.name}" for f in dataclasses.fields(REFERENCE.mla)]
     mapped = {f for f in names if _family(ops, f) is not _family(REFERENCE, f)}
     assert mapped == set(FAMILY_OPS)
     assert mapped == {"linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4.rope", "dsv4.q_norm_rope",
                       "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post",
-                      "dsv4.sparse_attention", "dsv4.indexer_topk"}  # fmt: skip
+                      "dsv4.sparse_attention", "dsv4.indexer_topk", "mla.attention"}  # fmt: skip
 
 
 @pytest.mark.parametrize("op", NPU_OPS)

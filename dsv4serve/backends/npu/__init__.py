@@ -1,7 +1,8 @@
 """The npu backend: torch_npu ops where a documented op has the contract (the W8A8 linear, the router,
-the routed experts, RMSNorm, rope, mHC), the reference elsewhere; plain transfers; decode steps captured
-as NPU graphs (`graphs.py`) where torch_npu has them. Written against the
-documented torch_npu API and tested through a fake `torch_npu`: **never run on an Ascend NPU**.
+the routed experts, RMSNorm, rope, mHC, DeepSeek-V4's sparse attention and indexer, GLM's MLA
+attention), the reference elsewhere; plain transfers; decode steps captured as NPU graphs (`graphs.py`)
+where torch_npu has them. Written against the documented torch_npu API and tested through a fake
+`torch_npu`: **never run on an Ascend NPU**.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
 from dsv4serve.backends.npu.mhc import npu_hc_post, npu_hc_pre
+from dsv4serve.backends.npu.mla import npu_mla_attention
 from dsv4serve.backends.npu.norm import npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
@@ -31,8 +33,8 @@ from dsv4serve.config import ConfigError
 
 # Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
 # builds differ by CANN version; `npu_find_op` says where each is looked for); a family whose ops are
-# missing runs the reference, one warning naming them. The others (DeepSeek-V4's compressor, GLM's
-# MLA) run the reference for now.
+# missing runs the reference, one warning naming them. The others (DeepSeek-V4's prepare, compressor
+# and hc_head; GLM's MLA prepare, qkv_split_norm and rope_store) run the reference.
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "linear": ("npu_dynamic_quant", "npu_quant_matmul"),
     "routed_experts": (
@@ -50,6 +52,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "dsv4.hc_post": ("npu_hc_post",),
     "dsv4.sparse_attention": ("npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata"),
     "dsv4.indexer_topk": ("npu_lightning_indexer",),
+    "mla.attention": ("npu_fused_infer_attention_score",),
 }
 # Custom-op libraries (not stock torch_npu) an op may come from, as torch.ops namespaces: vllm-ascend's
 # `_C_ascend` (its csrc build) and SGLang's Ascend kernels' `custom`; each needs that package installed
@@ -108,6 +111,13 @@ def backend(npu: ModuleType | None = None) -> Backend:
             shared=per_step,
         ),
         "dsv4.indexer_topk": partial(npu_indexer_topk, op=found["npu_lightning_indexer"], shared=per_step),
+        "mla.attention": partial(
+            npu_mla_attention,
+            op=found["npu_fused_infer_attention_score"],
+            fallback=reference.mla.attention,
+            shared=PerStep(),  # the step's paged context, built by its first layer
+            masks={},  # FIA's causal mask, one a device
+        ),
     }
     families: dict[str, Any] = {}
     for family, ops in FAMILY_OPS.items():
@@ -117,17 +127,24 @@ def backend(npu: ModuleType | None = None) -> Backend:
             warnings.warn(why, RuntimeWarning, stacklevel=2)
             continue
         families[family] = ascend[family]
-    dsv4 = {name.removeprefix("dsv4."): op for name, op in families.items() if name.startswith("dsv4.")}
-    top = {name: op for name, op in families.items() if not name.startswith("dsv4.")}
+    grouped = {group: _group(families, group) for group in ("dsv4", "mla")}
+    top = {name: op for name, op in families.items() if "." not in name}
     return replace(
         reference,
         name="npu",
-        dsv4=replace(reference.dsv4, **dsv4),
+        dsv4=replace(reference.dsv4, **grouped["dsv4"]),
+        mla=replace(reference.mla, **grouped["mla"]),
         transfers=NpuTransfers(npu),
         graphs=NpuGraphs(npu) if hasattr(getattr(npu, "npu", None), "NPUGraph") else None,
         collectives="hccl",
         **top,
     )
+
+
+def _group(families: dict[str, Any], group: str) -> dict[str, Any]:
+    """One model's families, by their names in its ops group (`dsv4.rope` -> `rope`)."""
+    prefix = f"{group}."
+    return {name.removeprefix(prefix): op for name, op in families.items() if name.startswith(prefix)}
 
 
 class NpuTransfers(ref.PlainTransfers):

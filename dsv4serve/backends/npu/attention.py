@@ -53,10 +53,10 @@ class PerStep:
     calls share one): each token as a batch entry, the block tables, the attention's metadata."""
 
     def __init__(self) -> None:
-        self.meta: StepMeta | None = None
+        self.meta: object = None  # the step's metadata (StepMeta, MlaMeta): one object a step
         self.items: dict[object, Any] = {}
 
-    def get(self, meta: StepMeta, key: object, make: Callable[[], Any]) -> Any:
+    def get(self, meta: object, key: object, make: Callable[[], Any]) -> Any:
         if self.meta is not meta:  # a new step
             self.meta, self.items = meta, {}
         if key not in self.items:

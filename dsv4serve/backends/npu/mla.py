@@ -1,0 +1,153 @@
+"""GLM-4.7-Flash's MLA attention (the contract of `attention/mla.mla_attention`) on Ascend: torch_npu's
+`npu_fused_infer_attention_score` (FIA) in its MLA form, as vllm-ascend's and SGLang's Ascend MLA paths
+call it.
+
+Absorbed, as the reference: the query is q_nope W_uk (H, 512) with its rotated rope part (H, 64) as
+`query_rope`; key = value = the latent c (512) with k_pe (64) as `key_rope`, one KV head; the op's
+latent output (T, H, 512) then goes through kv_b's value half. FIA's documented MLA limits (op-plugin
+doc `torch_npu-npu_fused_infer_attention_score.md`, its MLA, PageAttention and TND sections; the
+`../reference` notes 5.1) on Atlas A2 / A3: fp16 / bf16; query D 512 with rope 64, one KV head; query
+heads 1, 2, 4, ..., 128; sparse_mode 0, 3 or 4; paged K / V with a block size a multiple of 16 up to
+1,024; no softmax_lse; TND with at most 4,096 batch entries; KV_S at most 262,144 for Q_S = 1.
+
+- Heads: GLM-4.7-Flash's 20 (10 or 5 a rank under TP 2 or 4) are not a count FIA takes. The query is
+  padded with zero heads to the next count it takes and their outputs dropped (heads are independent
+  over one KV head), as vllm-ascend's `pad_fia_mla_query_heads` does; at least 8 (SGLang's Ascend
+  backend takes FIA's MLA decode only from 8 query heads a KV head, fewer "in a later CANN"). More
+  than 128 heads: the reference.
+- Pages: the engine's pool keeps a token's [c | k_pe] in one row, and MlaMeta carries slots, not pages;
+  FIA takes c and k_pe as two contiguous paged tensors (no strided views). So each call gathers its
+  requests' context rows (the reference's gather: linear in context) into pages of BLOCK = 128 (a size
+  every paged FIA form takes), each request's pages in a run, and passes their block table. A pool
+  kept as c and k_pe apart (vllm-ascend, SGLang), with the page size in the metadata, would let the op
+  read the pool in place.
+- Layouts: a step of decodes only takes BSND (B, 1, H, 512), sparse_mode 0 and no mask (SGLang's
+  decode call); any other step TND, `actual_seq_lengths` the requests' cumulative query ends,
+  `actual_seq_lengths_kv` their context lengths (per request under PageAttention), sparse_mode 3
+  (right-down causal: query i of a request's S1 sees keys j <= S2 - S1 + i, the engine's "position p
+  sees 0..p") with its 2048 x 2048 mask, True above the diagonal.
+- Lengths are host lists (the op's SymInt[]) from the step's spans. A captured step has no spans, and
+  FIA's host lengths freeze at capture (vllm-ascend re-issues the op before each replay with
+  `graph_task_update`; not done here): it takes the reference, as does any call outside the limits
+  above (fp32, the tiny test shapes). `scale` is passed explicitly (the op's default is 1.0).
+**Never run on an Ascend NPU.**
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dsv4serve.attention.mla import MlaDims, MlaMeta, absorbed
+from dsv4serve.backends.npu.attention import PerStep
+
+LATENT, ROPE, BLOCK, MASK = 512, 64, 128, 2048
+HEADS = (8, 16, 32, 64, 128)  # the query heads FIA is given (1, 2 and 4 padded to 8)
+MAX_BATCH, MAX_DECODE_KV = 4096, 262144
+
+
+def fia_heads(heads: int) -> int | None:
+    """The query heads FIA is given for `heads`: the least count it takes, None past 128."""
+    return next((n for n in HEADS if n >= heads), None)
+
+
+def supported(q: torch.Tensor, cache: torch.Tensor, meta: MlaMeta, dims: MlaDims) -> bool:
+    spans = meta.spans
+    return (
+        spans is not None
+        and 0 < len(spans) <= MAX_BATCH
+        and q.shape[0] > 0
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and cache.dtype == q.dtype
+        and dims.kv_lora_rank == LATENT
+        and dims.qk_rope_head_dim == ROPE
+        and fia_heads(dims.num_heads) is not None
+        and max(n for _, _, n in spans) <= MAX_DECODE_KV
+    )
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """A step's requests as FIA sees them, built once a step (every layer shares it)."""
+
+    slots: torch.Tensor  # (pages, BLOCK) each request's context slots, its pages in a run
+    table: torch.Tensor  # (B, max pages) int32: request b's pages among `slots`' rows
+    kv_lengths: list[int]  # (B,) context lengths: actual_seq_lengths_kv
+    q_ends: list[int]  # (B,) cumulative query ends: TND's actual_seq_lengths
+    decodes_only: bool  # one token a request: BSND
+
+    @classmethod
+    def of(cls, meta: MlaMeta, spans: tuple[tuple[int, int, int], ...]) -> PagedContext:
+        kv_lengths = [n for _, _, n in spans]
+        counts = [-(-n // BLOCK) for n in kv_lengths]  # pages a request
+        B, N, widest = meta.key_slots.shape[0], meta.key_slots.shape[1], max(counts)
+        # (B * widest, BLOCK): every row's slots in pages; past N slot 0 (a page tail, never read)
+        pages = F.pad(meta.key_slots, (0, widest * BLOCK - N)).view(B * widest, BLOCK)
+        picks = [b * widest + j for b, count in enumerate(counts) for j in range(count)]
+        firsts = list(accumulate(counts, initial=0))[:-1]  # each request's first page among `slots`
+        table = [[s + j for j in range(c)] + [0] * (widest - c) for s, c in zip(firsts, counts, strict=True)]
+        device = meta.key_slots.device
+        return cls(
+            slots=pages[torch.tensor(picks, device=device)],
+            table=torch.tensor(table, dtype=torch.int32, device=device),
+            kv_lengths=kv_lengths,
+            q_ends=[first + count for first, count, _ in spans],
+            decodes_only=all(count == 1 for _, count, _ in spans),
+        )
+
+
+def causal_mask(masks: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """sparse_mode 3's mask: (2048, 2048) bool, True (masked) above the diagonal; one a device."""
+    if device not in masks:
+        masks[device] = torch.ones(MASK, MASK, dtype=torch.bool, device=device).triu(1)
+    return masks[device]
+
+
+def npu_mla_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    kv_b: torch.Tensor,
+    meta: MlaMeta,
+    dims: MlaDims,
+    *,
+    op: Callable[..., Any],
+    fallback: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MlaMeta, MlaDims], torch.Tensor],
+    shared: PerStep,
+    masks: dict[torch.device, torch.Tensor],
+) -> torch.Tensor:
+    """Attention over the cached latents in the absorbed form, on FIA: (T, H, v)."""
+    if not supported(q, cache, meta, dims):
+        return fallback(q, cache, kv_b, meta, dims)
+    spans = meta.spans
+    assert spans is not None and cache.shape[1] == LATENT + ROPE
+    T, H = q.shape[0], dims.num_heads
+    heads = fia_heads(H)
+    assert heads is not None
+    step: PagedContext = shared.get(meta, "mla", lambda: PagedContext.of(meta, spans))
+    q_lat, q_pe, w_uv = absorbed(q, kv_b, dims)  # (T, H, 512), (T, H, 64), (H, v, 512)
+    query = F.pad(q_lat, (0, 0, 0, heads - H)).contiguous()  # (T, heads, 512): zero heads past H
+    query_rope = F.pad(q_pe, (0, 0, 0, heads - H)).contiguous()  # (T, heads, 64)
+    rows = cache[step.slots]  # (pages, BLOCK, 512 + 64)
+    key = rows[..., :LATENT].contiguous()  # (pages, BLOCK, 512): BnBsH, one KV head; value = key
+    key_rope = rows[..., LATENT:].contiguous()  # (pages, BLOCK, 64)
+    common: dict[str, Any] = {
+        "key_rope": key_rope, "num_heads": heads, "num_key_value_heads": 1, "scale": dims.softmax_scale,
+        "block_table": step.table, "block_size": BLOCK, "actual_seq_lengths_kv": step.kv_lengths,
+    }  # fmt: skip
+    if step.decodes_only:
+        out, _ = op(
+            query.view(T, 1, heads, LATENT), key, key, query_rope=query_rope.view(T, 1, heads, ROPE),
+            input_layout="BSND", sparse_mode=0, **common,
+        )  # fmt: skip
+    else:
+        out, _ = op(
+            query, key, key, query_rope=query_rope, input_layout="TND", actual_seq_lengths=step.q_ends,
+            sparse_mode=3, atten_mask=causal_mask(masks, q.device), **common,
+        )  # fmt: skip
+    o_lat = out.view(T, heads, LATENT)[:, :H]  # (T, H, 512): the padded heads dropped
+    return torch.einsum("thl,hvl->thv", o_lat, w_uv)
