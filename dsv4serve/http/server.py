@@ -42,6 +42,7 @@ from dsv4serve.http.app import MAX_BODY_BYTES, AppOptions, OpenAIApp
 from dsv4serve.models.registry import spec_for
 
 REASONS = {status.value: status.phrase for status in HTTPStatus}
+FRONT_OPTIONS_ENV = "DSV4SERVE_FRONT_OPTIONS"
 ORPHAN_CHECK_S = 0.5  # how often a front after the first checks that the first one lives
 LISTEN_BACKLOG = 4096  # hypercorn's default (100) has the kernel drop connections of a larger burst
 
@@ -268,9 +269,10 @@ async def _start_front(
         listen_fd=listener.fileno(),
         core_fds=fds,
     )
-    argv = [sys.executable, "-m", "dsv4serve.http.server", msgspec.json.encode(front).decode()]
+    env = os.environ | {FRONT_OPTIONS_ENV: msgspec.json.encode(front).decode()}  # not argv: the API key
     return await trio.lowlevel.open_process(
-        argv,
+        [sys.executable, "-m", "dsv4serve.http.server"],
+        env=env,
         pass_fds=(listener.fileno(), *fds),
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # signals reach it through the first front
@@ -291,9 +293,10 @@ async def _drain_when_orphaned(parent_pid: int, app: OpenAIApp) -> None:
     app.begin_drain()
 
 
-def front_main(argv: list[str]) -> int:
-    """A front process after the first (`python -m dsv4serve.http.server OPTIONS_JSON`)."""
-    given = msgspec.json.decode(argv[0], type=FrontProcessOptions)
+def front_main() -> int:
+    """A front process after the first (`python -m dsv4serve.http.server`, its options as JSON in
+    $DSV4SERVE_FRONT_OPTIONS)."""
+    given = msgspec.json.decode(os.environ.pop(FRONT_OPTIONS_ENV), type=FrontProcessOptions)
     logs.configure(given.engine.log_level, stream=sys.stderr)
     structlog.contextvars.bind_contextvars(front=given.index)
     attach = tuple(socket.socket(fileno=fd) for fd in given.core_fds)
@@ -304,4 +307,4 @@ def front_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(front_main(sys.argv[1:]))
+    sys.exit(front_main())
