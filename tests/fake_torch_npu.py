@@ -237,8 +237,131 @@ def fake_sparse_attn_sharedkv_metadata(
     return torch.zeros(1024, dtype=torch.int32)
 
 
+COMPRESSOR_FORMS = {(4, 2, 512), (4, 2, 128), (128, 1, 512)}  # (cmp_ratio, coff, D): C4A, C4Li, C128A
+
+
+def _compressor_checked(
+    x, wkv, wgate, state_cache, ape, cmp_ratio, table, cu_seqlens, start_pos, coff, cache_mode
+):
+    """The limits both generations document (A3): x [T, H] fp16 / bf16, H 1K..10K in steps of 512; wkv /
+    wgate [coff * D, H] in x's dtype; state_cache fp32 [blocks > 0, block_size (16x, <= 1024),
+    2 * coff * D], contiguous (A3: no strided dim 0); ape fp32 [cmp_ratio, coff * D]; cache_mode 1 (2 is
+    not supported on A3); cu_seqlens int32 [B + 1] from 0, non-decreasing; start_pos int32 [B]; the block
+    table int32 [B, >= ceil(Smax / block_size)]. Returns B."""
+    T, H = x.shape
+    D = wkv.shape[0] // coff
+    assert x.dtype in (torch.float16, torch.bfloat16) and wkv.dtype == wgate.dtype == x.dtype
+    assert 1024 <= H <= 10240 and H % 512 == 0 and x.is_contiguous() and wkv.is_contiguous()
+    assert wkv.shape == wgate.shape == (coff * D, H) and (cmp_ratio, coff, D) in COMPRESSOR_FORMS
+    assert state_cache.dtype == torch.float32 and state_cache.dim() == 3 and state_cache.is_contiguous()
+    blocks, size, width = state_cache.shape
+    assert blocks > 0 and 0 < size <= 1024 and size % 16 == 0 and width == 2 * coff * D
+    assert ape.dtype == torch.float32 and ape.shape == (cmp_ratio, coff * D)
+    if cache_mode != 1:
+        raise NotImplementedError(f"cache_mode {cache_mode}: A3 takes the paged state only (1)")
+    B = cu_seqlens.numel() - 1
+    cu = cu_seqlens.tolist()
+    assert cu_seqlens.dtype == start_pos.dtype == table.dtype == torch.int32 and cu[0] == 0 and cu[-1] == T
+    assert all(b >= a for a, b in pairwise(cu)) and start_pos.shape == (B,) and table.shape[0] == B
+    longest = max((int(start_pos[b]) + cu[b + 1] - cu[b] for b in range(B)), default=0)
+    assert table.shape[1] >= -(-longest // size), "a state block table narrower than Smax"
+    return B
+
+
+def _compressor_pooled(x, wkv, wgate, state_cache, ape, cmp_ratio, table, cu_seqlens, start_pos, coff):
+    """The compression both generations share (op README formulas; ops-transformer's
+    `compressor_golden.py` for the state): kv = x Wkv, score = x Wgate + ape[p % r] in fp32. Entry b's
+    tokens sit at positions start_pos[b].. ; every window [k r, (k + 1) r) whose end falls in them closes:
+    softmax over its rows per channel (coff 2: the previous window's rows, channels [0, D), then its own,
+    channels [D, 2D); no previous window: weight 0), the weighted kv summed. Rows of positions before
+    start_pos come from the state through the block table (page = position // block_size; a read through
+    block 0 is an error). Rows from (end // r - (coff - 1)) * r on are written back to the state (block 0:
+    not written). Returns the closing windows packed, entry after entry, (rows, D) fp32, padded with NaN
+    (the pad is undefined) to min(T, T // r + B) rows."""
+    T, r = x.shape[0], cmp_ratio
+    D = wkv.shape[0] // coff
+    kv, score = x.float() @ wkv.float().T, x.float() @ wgate.float().T  # (T, coff * D) each
+    size, cu = state_cache.shape[1], cu_seqlens.tolist()
+    out = torch.full((min(T, T // r + len(cu) - 1), D), float("nan"))
+    done = 0
+    for b, (t0, t1) in enumerate(pairwise(cu)):
+        start, end = int(start_pos[b]), int(start_pos[b]) + t1 - t0
+        score[t0:t1] += ape[torch.arange(start, end) % r]
+
+        def row(p: int, half: int, _t0: int = t0, _start: int = start, _b: int = b) -> tuple[Any, Any]:
+            cols = slice(half * D, (half + 1) * D)
+            if p < 0:
+                return torch.zeros(D), torch.full((D,), float("-inf"))
+            if p >= _start:
+                return kv[_t0 + p - _start, cols], score[_t0 + p - _start, cols]
+            block = int(table[_b, p // size])
+            assert block != 0, "a state read through block 0"
+            stored = state_cache[block, p % size]
+            return stored[cols], stored[coff * D :][cols]
+
+        for k in range(start // r, end // r):
+            rows = [row(p, 0) for p in range((k - 1) * r, k * r)] if coff == 2 else []
+            rows += [row(p, coff - 1) for p in range(k * r, (k + 1) * r)]
+            k_rows, s_rows = torch.stack([a for a, _ in rows]), torch.stack([s for _, s in rows])
+            out[done] = (k_rows * torch.softmax(s_rows, dim=0)).sum(0)
+            done += 1
+        for p in range(max(start, (end // r - (coff - 1)) * r), end):
+            block = int(table[b, p // size])
+            if block != 0:
+                state_cache[block, p % size] = torch.cat([kv[t0 + p - start], score[t0 + p - start]])
+    return out
+
+
+def fake_compressor(
+    x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos, state_block_table=None, cu_seqlens=None,
+    seqused=None, start_pos=None, *, rope_head_dim=64, cmp_ratio=4, coff=1, norm_eps=1e-6, rotary_mode=1,
+    cache_mode=1,
+):  # fmt: skip
+    """The custom libraries' `compressor` (vllm-ascend `_C_ascend`, SGLang `custom`; hicann ops-transformer
+    `experimental/attention/compressor` README, `compressor_golden.py`), TH form: the windows' pooled
+    kv (`_compressor_pooled`), then RMSNorm in fp32 with norm_weight (fp32 [D]), then rope on the last
+    rope_head_dim (64) channels with row i of rope_sin / rope_cos (fp32 [rows, 64], full width) for
+    output row i, interleaved (rotary_mode 2, the one supported): y[2j] = a cos[2j] - b sin[2j], y[2j+1]
+    = a sin[2j+1] + b cos[2j+1]. Returns cmp_kv [min(T, T // r + B), D] in x's dtype."""
+    assert seqused is None and rope_head_dim == 64 and rotary_mode == 2, "not modelled"
+    _compressor_checked(
+        x, wkv, wgate, state_cache, ape, cmp_ratio, state_block_table, cu_seqlens, start_pos, coff, cache_mode
+    )
+    pooled = _compressor_pooled(x, wkv, wgate, state_cache, ape, cmp_ratio, state_block_table, cu_seqlens,
+                                start_pos, coff)  # fmt: skip
+    D = pooled.shape[1]
+    assert norm_weight.dtype == torch.float32 and norm_weight.shape == (D,)
+    assert rope_sin.dtype == rope_cos.dtype == torch.float32
+    assert rope_sin.shape == rope_cos.shape == (pooled.shape[0], rope_head_dim)
+    normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight
+    a, b = normed[:, -rope_head_dim::2], normed[:, -rope_head_dim + 1 :: 2]
+    rotated = torch.stack(
+        (a * rope_cos[:, ::2] - b * rope_sin[:, ::2], a * rope_sin[:, 1::2] + b * rope_cos[:, 1::2]), -1
+    ).flatten(-2)
+    return torch.cat([normed[:, :-rope_head_dim], rotated], -1).to(x.dtype)
+
+
+def fake_cann_compressor(
+    x, wkv, wgate, state_cache, ape, cmp_ratio, *, state_block_table=None, cu_seqlens=None, seqused=None,
+    start_pos=None, coff=1, cache_mode=1,
+):  # fmt: skip
+    """CANN's newer `cann_ops_transformer.compressor` (ops-transformer
+    `attention/compressor/docs/torchapi_compressor.md`): the windows' pooled kv (`_compressor_pooled`),
+    no norm, no rope; cmp_ratio 2..128 (A3: 2, 4, ..., 128). Returns cmp_kv [min(T, T // r + B), D] in x's
+    dtype."""
+    assert seqused is None, "not modelled"
+    assert cmp_ratio in (2, 4, 8, 16, 32, 64, 128)
+    _compressor_checked(
+        x, wkv, wgate, state_cache, ape, cmp_ratio, state_block_table, cu_seqlens, start_pos, coff, cache_mode
+    )
+    pooled = _compressor_pooled(x, wkv, wgate, state_cache, ape, cmp_ratio, state_block_table, cu_seqlens,
+                                start_pos, coff)  # fmt: skip
+    return pooled.to(x.dtype)
+
+
 # ops of a custom-op library (vllm-ascend's `torch.ops._C_ascend`), not of torch_npu itself
 CUSTOM = {
+    "compressor": fake_compressor,
     "npu_hc_pre_v2": fake_hc_pre_v2,
     "npu_hc_post": fake_hc_post,
     "npu_sparse_attn_sharedkv": fake_sparse_attn_sharedkv,
@@ -460,6 +583,11 @@ FAKES = {
 }
 
 
+# ops of CANN's newer generation (`torch.ops.cann_ops_transformer`), by their `calls` key
+NEWER_COMPRESSOR = "cann_ops_transformer.compressor"
+NEWER = {NEWER_COMPRESSOR: fake_cann_compressor}
+
+
 class _Recorder(TorchDispatchMode):
     """Records every aten op a step runs (with its tensors: the graph's static memory); an Ascend op of
     this fake is recorded whole, as one node (`_counted`): it stands for one device kernel."""
@@ -532,15 +660,22 @@ def fake_runtime() -> types.ModuleType:
     return rt
 
 
-def install(monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = ()) -> dict[str, int]:
-    """Install the fake as `torch_npu`, its custom ops as `torch.ops._C_ascend` (without the ops
-    `missing` names); returns how often each op was called."""
-    calls: dict[str, int] = dict.fromkeys(FAKES, 0)
+def install(
+    monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = (), fused_compressor: bool = True
+) -> dict[str, int]:
+    """Install the fake as `torch_npu`, its custom ops as `torch.ops._C_ascend` and CANN's newer ones as
+    `torch.ops.cann_ops_transformer` (without the ops `missing` names: "compressor", either generation;
+    without the custom library's compressor unless `fused_compressor`); returns how often each op was
+    called."""
+    calls: dict[str, int] = dict.fromkeys([*FAKES, *NEWER], 0)
     module = types.ModuleType("torch_npu")
-    library = types.SimpleNamespace()
+    library, newer = types.SimpleNamespace(), types.SimpleNamespace()
     monkeypatch.setattr(torch.ops, "_C_ascend", library, raising=False)
-    for name, fn in FAKES.items():
-        if name in missing:
+    monkeypatch.setattr(torch.ops, "cann_ops_transformer", newer, raising=False)
+    skip = set(missing) | ({NEWER_COMPRESSOR} if "compressor" in missing else set())
+    skip |= set() if fused_compressor else {"compressor"}
+    for name, fn in {**FAKES, **NEWER}.items():
+        if name in skip:
             continue
 
         def counted(*args, _name=name, _fn=fn, **kwargs):  # type: ignore[no-untyped-def]
@@ -552,7 +687,8 @@ def install(monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = ()) -> d
             _RECORDING[-1].nodes.append((_fn, args, kwargs, out))
             return out
 
-        setattr(library if name in CUSTOM else module, name, counted)
+        target = library if name in CUSTOM else newer if name in NEWER else module
+        setattr(target, name.rsplit(".", 1)[-1], counted)
     module.npu = fake_runtime()  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     return calls

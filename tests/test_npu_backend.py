@@ -67,7 +67,7 @@ def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> Non
     mapped = {f for f in names if _family(ops, f) is not _family(REFERENCE, f)}
     assert mapped == set(FAMILY_OPS)
     assert mapped == {"linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4.rope", "dsv4.q_norm_rope",
-                      "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post",
+                      "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post", "dsv4.compressor",
                       "dsv4.sparse_attention", "dsv4.indexer_topk", "mla.attention"}  # fmt: skip
 
 

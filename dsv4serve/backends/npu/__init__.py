@@ -1,6 +1,6 @@
 """The npu backend: torch_npu ops where a documented op has the contract (the W8A8 linear, the router,
-the routed experts, RMSNorm, rope, mHC, DeepSeek-V4's sparse attention and indexer, GLM's MLA
-attention), the reference elsewhere; plain transfers; decode steps captured as NPU graphs (`graphs.py`)
+the routed experts, RMSNorm, rope, mHC, DeepSeek-V4's compressor, sparse attention and indexer, GLM's
+MLA attention), the reference elsewhere; plain transfers; decode steps captured as NPU graphs (`graphs.py`)
 where torch_npu has them. Written against the documented torch_npu API and tested through a fake
 `torch_npu`: **never run on an Ascend NPU**.
 """
@@ -16,11 +16,13 @@ from importlib import import_module
 from types import ModuleType
 from typing import Any
 
+import structlog
 import torch
 
 from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
 from dsv4serve.backends.npu.attention import PerStep, npu_indexer_topk, npu_sparse_attention
+from dsv4serve.backends.npu.compressor import find_compressor, npu_compressor
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
@@ -33,8 +35,11 @@ from dsv4serve.config import ConfigError
 
 # Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
 # builds differ by CANN version; `npu_find_op` says where each is looked for); a family whose ops are
-# missing runs the reference, one warning naming them. The others (DeepSeek-V4's prepare, compressor
-# and hc_head; GLM's MLA prepare, qkv_split_norm and rope_store) run the reference.
+# missing runs the reference, one warning naming them. The others (DeepSeek-V4's prepare and hc_head;
+# GLM's MLA prepare, qkv_split_norm and rope_store) run the reference. `compressor` is either
+# generation (`compressor.find_compressor`): a custom library's, fusing norm + rope, else CANN's newer
+# `torch.ops.cann_ops_transformer.compressor`, without them. The indexer's int8 form
+# (`npu_quant_lightning_indexer`) is not mapped: the engine keeps its index keys in the model's dtype.
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "linear": ("npu_dynamic_quant", "npu_quant_matmul"),
     "routed_experts": (
@@ -50,6 +55,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "dsv4.kv_norm_rope_store": ("npu_rms_norm", "npu_rotary_mul"),
     "dsv4.hc_pre": ("npu_hc_pre_v2", "npu_rms_norm"),
     "dsv4.hc_post": ("npu_hc_post",),
+    "dsv4.compressor": ("compressor",),
     "dsv4.sparse_attention": ("npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata"),
     "dsv4.indexer_topk": ("npu_lightning_indexer",),
     "mla.attention": ("npu_fused_infer_attention_score",),
@@ -59,6 +65,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
 # and imported before the engine starts.
 CUSTOM_LIBRARIES = ("_C_ascend", "custom")
 NPU_OPS = tuple(dict.fromkeys(op for ops in FAMILY_OPS.values() for op in ops))
+_LOG = structlog.get_logger()
 
 
 def check_device(device: str) -> None:
@@ -93,7 +100,10 @@ def backend(npu: ModuleType | None = None) -> Backend:
     npu = npu or load_torch_npu()
     reference = ref.backend()
     found = {op: npu_find_op(npu, op) for op in NPU_OPS}
-    per_step = PerStep()  # the attention's and the indexer's per-step tables, built once a step
+    found["compressor"], fused = find_compressor(found["compressor"])
+    if found["compressor"] is not None:
+        _LOG.info("npu_compressor", fused_norm_rope=fused)
+    per_step = PerStep()  # the compressors', attention's and indexer's per-step tables, built once a step
     ascend = {
         "linear": partial(npu_linear, npu=npu),
         "routed_experts": partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
@@ -104,6 +114,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
         "dsv4.kv_norm_rope_store": partial(npu_kv_norm_rope_store, npu=npu),
         "dsv4.hc_pre": partial(npu_hc_pre, pre=found["npu_hc_pre_v2"], rms_norm=found["npu_rms_norm"]),
         "dsv4.hc_post": partial(npu_hc_post, op=found["npu_hc_post"]),
+        "dsv4.compressor": partial(npu_compressor, op=found["compressor"], fused=fused, shared=per_step),
         "dsv4.sparse_attention": partial(
             npu_sparse_attention,
             op=found["npu_sparse_attn_sharedkv"],
