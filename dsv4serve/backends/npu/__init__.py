@@ -65,7 +65,6 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
 # and imported before the engine starts.
 CUSTOM_LIBRARIES = ("_C_ascend", "custom")
 NPU_OPS = tuple(dict.fromkeys(op for ops in FAMILY_OPS.values() for op in ops))
-_LOG = structlog.get_logger()
 
 
 def check_device(device: str) -> None:
@@ -102,11 +101,19 @@ def backend(npu: ModuleType | None = None) -> Backend:
     found = {op: npu_find_op(npu, op) for op in NPU_OPS}
     found["compressor"], fused = find_compressor(found["compressor"])
     if found["compressor"] is not None:
-        _LOG.info("npu_compressor", fused_norm_rope=fused)
+        structlog.get_logger().bind(actor="npu").info("npu_compressor", fused_norm_rope=fused)
     per_step = PerStep()  # the compressors', attention's and indexer's per-step tables, built once a step
     ascend = {
         "linear": partial(npu_linear, npu=npu),
-        "routed_experts": partial(npu_routed_experts, npu=npu, fallback=reference.routed_experts),
+        "routed_experts": partial(
+            npu_routed_experts,
+            npu=npu,
+            fallback=reference.routed_experts,
+            # the shared expert: the linear family's op where this build has it, else the reference's
+            linear=partial(npu_linear, npu=npu)
+            if all(found[op] for op in FAMILY_OPS["linear"])
+            else ref.linear,
+        ),
         "gating_top_k": partial(npu_gating_top_k, npu=npu, fallback=reference.gating_top_k),
         "rms_norm": partial(npu_rms_norm, npu=npu),
         "dsv4.rope": partial(npu_rope, npu=npu),

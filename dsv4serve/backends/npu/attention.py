@@ -79,6 +79,14 @@ def token_entries(meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
     return cu, (meta.positions + 1).to(torch.int32)
 
 
+def every_entry(seqused_kv: torch.Tensor, ratio: int) -> torch.Tensor:
+    """(T, 1, TOPK) int32: each token's visible compressed entries 0 .. (p + 1) // ratio - 1, -1 after
+    (the picks when the indexer is skipped: no token sees more than top-k <= TOPK of them)."""
+    j = torch.arange(TOPK, dtype=torch.int32, device=seqused_kv.device)
+    visible = (seqused_kv // ratio)[:, None]
+    return torch.where(j < visible, j, -1).to(torch.int32)[:, None, :]
+
+
 def npu_sparse_attention(
     q: torch.Tensor,
     swa: torch.Tensor,
@@ -109,9 +117,12 @@ def npu_sparse_attention(
             meta, ratio, lambda: block_table(table, meta, longest // ratio + 1)
         )
         if ratio == 4:
-            assert indices is not None and indices.shape[1] <= TOPK
-            picks = torch.full((T, 1, TOPK), -1, dtype=torch.int32, device=q.device)
-            picks[:, 0, : indices.shape[1]] = indices.to(torch.int32)
+            if indices is None:  # no query sees more than top-k entries (the model skipped the indexer)
+                picks = shared.get(meta, "every_entry", lambda: every_entry(seqused_kv, ratio))
+            else:
+                assert indices.shape[1] <= TOPK
+                picks = torch.full((T, 1, TOPK), -1, dtype=torch.int32, device=q.device)
+                picks[:, 0, : indices.shape[1]] = indices.to(torch.int32)
             paged["cmp_sparse_indices"] = picks
             cmp_topk = TOPK
     shape: dict[str, Any] = {"cmp_ratio": ratio, "ori_mask_mode": MASK_BAND, "cmp_mask_mode": MASK_CAUSAL}

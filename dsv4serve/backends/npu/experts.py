@@ -44,6 +44,7 @@ def npu_routed_experts(
     *,
     npu: ModuleType,
     fallback: ExpertsFn,
+    linear: Callable[[torch.Tensor, Weight], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same contract as `experts.routed_experts_reference`.
 
@@ -52,9 +53,9 @@ def npu_routed_experts(
     With bf16 activations the int8 GEMMs use the weight scales rounded to bf16 (the only per-token
     row of the documented dtype table with a bf16 output); fp16 keeps them in fp32.
     """
-    if shared is not None:  # the shared expert through the W8A8 / float linear of the npu backend
+    if shared is not None:  # the shared expert through the backend's linear (`linear`; npu_linear)
         routed = npu_routed_experts(x, weights, ids, w1, w2, w3, limit, npu=npu, fallback=fallback)
-        return routed + swiglu(x, *shared, limit=limit, matmul=partial(npu_linear, npu=npu))
+        return routed + swiglu(x, *shared, limit=limit, matmul=linear or partial(npu_linear, npu=npu))
     if not _supported(x, w1, w2, w3):
         return fallback(x, weights, ids, w1, w2, w3, limit)
     _check_layout(x, weights, ids, w1, w2, w3)
