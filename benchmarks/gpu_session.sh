@@ -15,7 +15,8 @@
 #   front  - issue 29: the engine golden tests on CUDA (graphs on; -k $FRONT_TESTS, "-" skips them),
 #            bench_serving.py (--skip-single, --embedded-core, HTTP with $FRONTS front processes,
 #            default "4 1"; the server's steps and graph captures in $OUT/serving.err; $OUT/serving.json),
-#            then bench_kv_sizing.py ($OUT/kv_sizing.json)
+#            then bench_kv_sizing.py ($OUT/kv_sizing.json; KV_SIZING=0 skips it); CONC: the stream counts,
+#            EMBEDDED_CORE="" drops the --embedded-core door
 #   before - issue 30's single-GPU check: bench_decode.py on this tree and on the tree in $BASE (an
 #            ignored `git archive` of the commit before multi-device, carried), same flags, same machine
 #            ($OUT/{head,base}.json)
@@ -72,9 +73,9 @@ native)
 front)
     [ "${FRONT_TESTS:-}" != "-" ] && DSV4SERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
         tests/test_golden_engine.py -k "${FRONT_TESTS:-}" 2>&1 | tail -4
-    timeout "${SERVING_S:-400}" python3 benchmarks/bench_serving.py --embedded-core --skip-single \
-        --server-log-level info --api-server-count ${FRONTS:-4 1} --out "$OUT/serving.json" \
-        2> "$OUT/serving.err" > /dev/null
+    timeout "${SERVING_S:-400}" python3 benchmarks/bench_serving.py ${EMBEDDED_CORE---embedded-core} --skip-single \
+        --server-log-level info --api-server-count ${FRONTS:-4 1} --concurrency ${CONC:-64 256} \
+        --out "$OUT/serving.json" 2> "$OUT/serving.err" > /dev/null
     python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
 for door in [d for d in r if d.startswith(("embedded", "http"))]:
     for n, f in r[door].items():
@@ -82,8 +83,8 @@ for door in [d for d in r if d.startswith(("embedded", "http"))]:
 print(r.get("ratios"))' "$OUT/serving.json"
     awk '/graphs_ready/ {print; r = 1; next} /^run:|Error|Traceback/ {print; next} r && /graph_captured/' \
         "$OUT/serving.err" | tail -40 | cut -c1-220
-    timeout 100 python3 benchmarks/bench_kv_sizing.py --out "$OUT/kv_sizing.json" 2> "$OUT/kv.err" | tail -c 1500
-    tail -3 "$OUT/kv.err"
+    [ "${KV_SIZING:-1}" = 1 ] && timeout 100 python3 benchmarks/bench_kv_sizing.py --out "$OUT/kv_sizing.json" \
+        2> "$OUT/kv.err" | tail -c 1500 && tail -3 "$OUT/kv.err"
     ;;
 before)
     shift
