@@ -7,7 +7,6 @@ fallbacks, and the start-up choice. None of this has run on an Ascend NPU."""
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import pytest
@@ -125,26 +124,16 @@ def test_calls_outside_the_ops_limits_take_the_reference(monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_the_compressors_generation_is_chosen_and_logged_once(
-    monkeypatch: pytest.MonkeyPatch, fused: bool
+    monkeypatch: pytest.MonkeyPatch, all_logs: structlog.testing.LogCapture, fused: bool
 ) -> None:
     """The custom library's fused form where present, else CANN's newer op; one log line saying which."""
     install(monkeypatch, fused_compressor=fused)
-    saved, capture = structlog.get_config(), structlog.testing.LogCapture()
-    structlog.configure(  # every level (an earlier test may have configured warnings only)
-        processors=[capture],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        cache_logger_on_first_use=False,
-    )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # both present or one: no fallback warning
-            compressor = select("npu").dsv4.compressor
-    finally:
-        structlog.configure(**saved)
-    logs = capture.entries
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both present or one: no fallback warning
+        compressor = select("npu").dsv4.compressor
     assert compressor is not REFERENCE.dsv4.compressor
     assert compressor.keywords["fused"] is fused  # type: ignore[attr-defined]
-    lines = [e for e in logs if e["event"] == "npu_compressor"]
+    lines = [e for e in all_logs.entries if e["event"] == "npu_compressor"]
     assert len(lines) == 1 and lines[0]["fused_norm_rope"] is fused
 
 

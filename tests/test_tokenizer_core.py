@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import shutil
 import time
 import tracemalloc
@@ -440,19 +439,12 @@ def test_the_largest_allowed_request_costs_bounded_memory_and_loop_time() -> Non
     assert peak < 4 << 20 and seconds < 2.0, (peak, seconds)  # the prefix sets alone took ~9 MB
 
 
-def test_weight_loading_progress_is_log_lines_without_a_terminal() -> None:
+def test_weight_loading_progress_is_log_lines_without_a_terminal(
+    all_logs: structlog.testing.LogCapture,
+) -> None:
     from dsv4serve.models.progress import shown
 
-    saved, capture = structlog.get_config(), structlog.testing.LogCapture()
-    structlog.configure(  # every level (an earlier test may have configured warnings only)
-        processors=[capture],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        cache_logger_on_first_use=False,
-    )
-    try:
-        assert list(shown(list(range(25)), "weights")) == list(range(25))
-    finally:
-        structlog.configure(**saved)
-    lines = [e for e in capture.entries if e["event"] == "loading"]
+    assert list(shown(list(range(25)), "weights")) == list(range(25))
+    lines = [e for e in all_logs.entries if e["event"] == "loading"]
     assert [e["done"] for e in lines] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 25]
     assert all(e["total"] == 25 and e["what"] == "weights" for e in lines)

@@ -29,7 +29,7 @@ import signal
 import socket
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,18 @@ class CoreOptions(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str
     dp_rank: int = 0  # which data-parallel core this is (`data_parallel_size` > 1)
     port: int | None = None  # where every rank of the engine rendezvouses (several cores)
+
+    @classmethod
+    def of(cls, options: SystemOptions, **fields: Any) -> CoreOptions:
+        """`options` as a process of the engine's gets them (the log level this process's)."""
+        return cls(
+            model_dir=str(options.model_dir),
+            engine=asdict(options.engine),
+            max_waiting=options.max_waiting,
+            max_inflight_steps=options.max_inflight_steps,
+            log_level=logs.current_level(),
+            **fields,
+        )
 
     def system(self) -> SystemOptions:
         return SystemOptions(

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -28,7 +28,6 @@ import msgspec
 import structlog
 import trio
 
-from dsv4serve import logs
 from dsv4serve.actors.core_process import EXIT_WAIT_S, CoreOptions, Frames, take_waiting
 from dsv4serve.actors.scheduler import SchedulerGauges
 from dsv4serve.actors.system import (
@@ -259,15 +258,7 @@ async def _start_core(
     if front_sock is None:
         front_sock, core_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         core_socks = (core_sock,)
-    core_options = CoreOptions(
-        model_dir=str(options.model_dir),
-        engine=asdict(options.engine),
-        max_waiting=options.max_waiting,
-        max_inflight_steps=options.max_inflight_steps,
-        log_level=logs.current_level(),
-        dp_rank=dp_rank,
-        port=port,
-    )
+    core_options = CoreOptions.of(options, dp_rank=dp_rank, port=port)
     fds = [sock.fileno() for sock in core_socks]
     argv = [sys.executable, "-m", "dsv4serve.actors.core_process", ",".join(map(str, fds))]
     try:

@@ -253,13 +253,7 @@ def _listen(host: str, port: int) -> socket.socket:
 async def _start_front(
     options: SystemOptions, http: HttpOptions, index: int, listener: socket.socket, ends: list[socket.socket]
 ) -> trio.Process:
-    engine = CoreOptions(
-        model_dir=str(options.model_dir),
-        engine=asdict(options.engine),
-        max_waiting=options.max_waiting,
-        max_inflight_steps=options.max_inflight_steps,
-        log_level=logs.current_level(),
-    )
+    engine = CoreOptions.of(options)
     fds = [end.fileno() for end in ends]
     front = FrontProcessOptions(
         engine=engine,
