@@ -197,31 +197,46 @@ def fake_sparse_attn_sharedkv(
             assert kv.dim() == 4 and kv.shape[2:] == (1, D) and kv.shape[1] % 16 == 0 and kv.shape[1] <= 1024
     assert (cmp_kv is None) == (cmp_ratio == 0) and cmp_ratio in (0, 4, 128)
     assert (cmp_sparse_indices is not None) == (cmp_ratio == 4)
+    ori = (ori_kv, ori_block_table, seqused_kv)
+    cmp = (cmp_kv, cmp_block_table, seqused_kv, cmp_ratio, cmp_sparse_indices)
+    return _sharedkv_attention(
+        q, ori, cmp, cu_seqlens_q, sinks, softmax_scale, ori_win_left, ori_win_right
+    ), None
+
+
+def _sharedkv_attention(q, ori, cmp, cu_seqlens_q, sinks, scale, win_left, win_right):  # type: ignore[no-untyped-def]
+    """Both generations' math (TND queries, paged K=V): query t of batch entry b at p = used[b] - q_len_b
+    + i reads the raw K=V at [p - win_left, p + win_right] below used[b] through its block table, and the
+    compressed entries j < (p_c + 1) // ratio, p_c its position counted back from the compressed side's raw
+    length (cmp_used[b]), at ratio 4 only the listed ones (-1 pads); the sink an extra logit in the
+    softmax's denominator. ori = (kv, table, used); cmp = (kv, table, cmp_used, ratio, indices)."""
+    ori_kv, ori_table, used_kv = ori
+    cmp_kv, cmp_table, cmp_used, ratio, indices = cmp
     out = torch.empty_like(q)
     for b in range(cu_seqlens_q.numel() - 1):
-        q0, q1, used = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_kv[b])
+        q0, q1, used = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(used_kv[b])
         for t in range(q0, q1):
             p = used - (q1 - t)
-            pos = torch.arange(max(0, p - ori_win_left), min(used, p + ori_win_right + 1))
+            pos = torch.arange(max(0, p - win_left), min(used, p + win_right + 1))
             size = ori_kv.shape[1]
-            keys = [ori_kv[ori_block_table[b, pos // size].long(), pos % size, 0]]
-            if cmp_ratio:
-                visible, size = (p + 1) // cmp_ratio, cmp_kv.shape[1]
-                if cmp_ratio == 4:
-                    j = cmp_sparse_indices[t, 0].long()
+            keys = [ori_kv[ori_table[b, pos // size].long(), pos % size, 0]]
+            if cmp_kv is not None:
+                visible, size = (int(cmp_used[b]) - (q1 - t) + 1) // ratio, cmp_kv.shape[1]
+                if indices is not None:
+                    j = indices[t, 0].long()
                     j = j[j >= 0]
                     assert bool((j < visible).all()), "an index past the causal limit"
                 else:
                     j = torch.arange(visible)
-                keys.append(cmp_kv[cmp_block_table[b, j // size].long(), j % size, 0])
+                keys.append(cmp_kv[cmp_table[b, j // size].long(), j % size, 0])
             k = torch.cat(keys).float()  # (keys, D): K = V
-            scores = (q[t].float() @ k.T) * softmax_scale  # (N, keys)
+            scores = (q[t].float() @ k.T) * scale  # (N, keys)
             sink = sinks[:, None]
             top = torch.maximum(scores.amax(-1, keepdim=True), sink)
             weights = (scores - top).exp()
             weights = weights / (weights.sum(-1, keepdim=True) + (sink - top).exp())
             out[t] = (weights @ k).to(q.dtype)
-    return out, None
+    return out
 
 
 def fake_sparse_attn_sharedkv_metadata(
@@ -357,6 +372,187 @@ def fake_cann_compressor(
     pooled = _compressor_pooled(x, wkv, wgate, state_cache, ape, cmp_ratio, state_block_table, cu_seqlens,
                                 start_pos, coff)  # fmt: skip
     return pooled.to(x.dtype)
+
+
+SFM_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # A3's num_heads_q
+SFM_MODES = {1: (0, 0), 4: (3, 512), 128: (3, 0)}  # A3's cmp_ratio (1: SWA) -> (cmp_mask_mode, cmp_topk > 0?)
+LAYOUTS = {"TND": 1, "PA_BBND": 2}
+
+
+def _sfm_tiling(batch, cmp_topk, cmp_ratio, ori_mask_mode, cmp_mask_mode, ori_win_left, ori_win_right,
+                layout_q, layout_kv, has_cmp_kv):  # type: ignore[no-untyped-def]  # fmt: skip
+    """The arguments both calls must agree on, as the fake's metadata records them."""
+    modes = (cmp_ratio, ori_mask_mode, cmp_mask_mode, ori_win_left, ori_win_right)
+    return [batch, cmp_topk, *modes, LAYOUTS[layout_q], LAYOUTS[layout_kv], int(has_cmp_kv)]
+
+
+def _sfm_checked(cmp_ratio, cmp_mask_mode, cmp_topk, has_cmp, ori_mask_mode, ori_win_left, ori_win_right,
+                 layout_q, layout_kv):  # type: ignore[no-untyped-def]  # fmt: skip
+    """The A3 limits both calls document: SWA (ratio 1, cmp mask 0, no top-k), CSA (4, mode 3, top-k 1..8192),
+    HCA (128, mode 3, no top-k); the band 127 left, 0 right; TND queries over PA_BBND pages (the one pair
+    modelled)."""
+    if (layout_q, layout_kv) != ("TND", "PA_BBND"):
+        raise NotImplementedError(f"layouts {layout_q} / {layout_kv} are not modelled")
+    assert cmp_ratio in SFM_MODES and has_cmp == (cmp_ratio != 1), "A3: SWA 1, CSA 4, HCA 128"
+    mask, topk = SFM_MODES[cmp_ratio]
+    assert cmp_mask_mode == mask and (0 < cmp_topk <= 8192 if topk else cmp_topk == 0)
+    assert ori_mask_mode == 4 and ori_win_left == 127 and ori_win_right == 0, "A3: the band 127 / 0"
+
+
+def fake_sparse_flash_mla_metadata(
+    num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None,
+    seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None, ori_topk_length=None,
+    cmp_topk_length=None, batch_size=0, max_seqlen_q=0, max_seqlen_ori_kv=0, max_seqlen_cmp_kv=0, ori_topk=0,
+    cmp_topk=0, cmp_ratio=1, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1, ori_win_right=-1,
+    layout_q="BSND", layout_kv="BSND", has_ori_kv=True, has_cmp_kv=True,
+):  # fmt: skip
+    """CANN's `cann_ops_transformer.sparse_flash_mla_metadata` (ops-transformer
+    `attention/sparse_flash_mla/docs/torchapi_sparse_flash_mla.md`): the tiling, int32 (1024,); here the
+    arguments' consistency, and the ones the main call must repeat recorded in it (its mask and window
+    defaults differ from the main call's: the doc asks for them explicitly)."""
+    assert num_heads_q in SFM_HEADS and num_heads_kv == 1 and head_dim == 512 and has_ori_kv
+    _sfm_checked(cmp_ratio, cmp_mask_mode, cmp_topk, has_cmp_kv, ori_mask_mode, ori_win_left, ori_win_right,
+                 layout_q, layout_kv)  # fmt: skip
+    B = cu_seqlens_q.numel() - 1
+    assert cu_seqlens_ori_kv is None and cu_seqlens_cmp_kv is None, "PA: no kv cumulative lengths"
+    assert seqused_q is None and ori_topk == 0 and ori_topk_length is None and cmp_topk_length is None
+    assert seqused_ori_kv is not None and seqused_ori_kv.shape == (B,), "PA: seqused_ori_kv required"
+    for lengths in (cu_seqlens_q, seqused_ori_kv, seqused_cmp_kv, cmp_residual_kv):
+        assert lengths is None or lengths.dtype == torch.int32
+    assert max_seqlen_q > 0 and 0 < int(seqused_ori_kv.max()) <= max_seqlen_ori_kv
+    assert (cmp_residual_kv is not None) == (cmp_ratio != 1), (
+        "cmp_residual_kv: with cmp_kv, mode 3, ratio > 1"
+    )
+    out = torch.zeros(1024, dtype=torch.int32)
+    tiling = _sfm_tiling(B, cmp_topk, cmp_ratio, ori_mask_mode, cmp_mask_mode, ori_win_left, ori_win_right,
+                         layout_q, layout_kv, has_cmp_kv)  # fmt: skip
+    out[: len(tiling)] = torch.tensor(tiling, dtype=torch.int32)
+    return out
+
+
+def _sfm_lengths_checked(B, seqused_ori_kv, seqused_cmp_kv, cmp_residual_kv, cmp_ratio, cmp_kv):  # type: ignore[no-untyped-def]
+    """PA lengths: int32 (B,) each; seqused_cmp_kv with the compressed pages; 0 <= residual < ratio."""
+    assert seqused_ori_kv is not None and seqused_ori_kv.shape == (B,) and seqused_ori_kv.dtype == torch.int32
+    if cmp_kv is None:
+        assert seqused_cmp_kv is None and cmp_residual_kv is None, "SWA: no compressed lengths"
+        return None
+    assert seqused_cmp_kv is not None and seqused_cmp_kv.shape == (B,), "cmp_block_table needs seqused_cmp_kv"
+    assert cmp_residual_kv is not None and cmp_residual_kv.shape == (B,), "CSA / HCA need cmp_residual_kv"
+    assert seqused_cmp_kv.dtype == cmp_residual_kv.dtype == torch.int32
+    assert bool(((cmp_residual_kv >= 0) & (cmp_residual_kv < cmp_ratio)).all()), "0 <= residual < ratio"
+    assert bool((seqused_cmp_kv >= 0).all())
+    return seqused_cmp_kv * cmp_ratio + cmp_residual_kv  # the raw length its causal limit counts from
+
+
+def _positive_blocks(kv, table, used, cu_seqlens_q):  # type: ignore[no-untyped-def]
+    """A PA block table: int32 (B, >= pages), the blocks each entry reads positive ids of the pool."""
+    B, size = cu_seqlens_q.numel() - 1, kv.shape[1]
+    assert table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == B
+    for b in range(B):
+        pages = -(-int(used[b]) // size)
+        assert pages <= table.shape[1], "a kv length past the block table"
+        ids = table[b, :pages]
+        assert bool(((ids > 0) & (ids < kv.shape[0])).all()), "block ids: positive, inside the pool"
+
+
+def fake_sparse_flash_mla(
+    q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None, ori_block_table=None,
+    cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None, seqused_q=None,
+    seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None, ori_topk_length=None,
+    cmp_topk_length=None, sinks=None, metadata=None, softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=4,
+    cmp_mask_mode=3, ori_win_left=-1, ori_win_right=-1, layout_q="BSND", layout_kv="BSND", topk_value_mode=1,
+    return_softmax_lse=False,
+):  # fmt: skip
+    """CANN's `cann_ops_transformer.sparse_flash_mla` (ops-transformer
+    `attention/sparse_flash_mla/docs/torchapi_sparse_flash_mla.md`), TND queries over PA_BBND pages:
+    `npu_sparse_attn_sharedkv`'s math (`_sharedkv_attention`) with the raw length `seqused_ori_kv` and the
+    compressed side's causal limit counted from seqused_cmp_kv * cmp_ratio + cmp_residual_kv. Checks the
+    A3 limits (`_sfm_checked`), q / kv fp16 or bf16 alike (d 512, kv_n 1, block size 16x up to 1,024),
+    sinks fp32 (q_n,) required, metadata from the same arguments, block ids positive. Returns (out, a
+    zero (1,) without the LSE)."""
+    T, N, D = q.shape
+    assert q.dtype in (torch.float16, torch.bfloat16) and N in SFM_HEADS and D == 512 and T > 0
+    has_cmp = cmp_kv is not None
+    cmp_topk = 0 if cmp_sparse_indices is None else cmp_sparse_indices.shape[-1]
+    _sfm_checked(cmp_ratio, cmp_mask_mode, cmp_topk, has_cmp, ori_mask_mode, ori_win_left, ori_win_right,
+                 layout_q, layout_kv)  # fmt: skip
+    assert ori_sparse_indices is None and ori_topk_length is None and cmp_topk_length is None, "reserved"
+    assert (
+        seqused_q is None and cu_seqlens_ori_kv is None and cu_seqlens_cmp_kv is None and topk_value_mode == 1
+    )
+    if return_softmax_lse:
+        raise NotImplementedError("the LSE output is not modelled")
+    cu = cu_seqlens_q.tolist()
+    assert cu_seqlens_q.dtype == torch.int32 and cu[0] == 0 and cu[-1] == T
+    assert all(b >= a for a, b in pairwise(cu)), "cu_seqlens_q: non-decreasing"
+    B = len(cu) - 1
+    assert sinks is not None and sinks.dtype == torch.float32 and sinks.shape == (N,), "sinks: fp32 (q_n,)"
+    assert metadata is not None and metadata.dtype == torch.int32 and metadata.shape == (1024,)
+    tiling = _sfm_tiling(B, cmp_topk, cmp_ratio, ori_mask_mode, cmp_mask_mode, ori_win_left, ori_win_right,
+                         layout_q, layout_kv, has_cmp)  # fmt: skip
+    assert metadata[: len(tiling)].tolist() == tiling, "metadata from other arguments"
+    for kv, table in ((ori_kv, ori_block_table), (cmp_kv, cmp_block_table)):
+        if kv is not None:
+            assert kv.dtype == q.dtype and kv.dim() == 4 and kv.shape[2:] == (1, D) and table is not None
+            assert kv.shape[1] % 16 == 0 and 0 < kv.shape[1] <= 1024, "A2 / A3: block size 16x, <= 1,024"
+    assert ori_kv is not None and (cmp_block_table is None) == (cmp_kv is None)
+    assert (cmp_sparse_indices is not None) == (cmp_ratio == 4), "indices: CSA only"
+    if cmp_sparse_indices is not None:
+        assert cmp_sparse_indices.dtype == torch.int32 and cmp_sparse_indices.shape[:2] == (T, 1)
+    cmp_used = _sfm_lengths_checked(B, seqused_ori_kv, seqused_cmp_kv, cmp_residual_kv, cmp_ratio, cmp_kv)
+    _positive_blocks(ori_kv, ori_block_table, seqused_ori_kv, cu_seqlens_q)
+    if has_cmp:
+        _positive_blocks(cmp_kv, cmp_block_table, seqused_cmp_kv, cu_seqlens_q)
+    ori = (ori_kv, ori_block_table, seqused_ori_kv)
+    cmp = (cmp_kv, cmp_block_table, cmp_used, cmp_ratio, cmp_sparse_indices)
+    out = _sharedkv_attention(q, ori, cmp, cu_seqlens_q, sinks, softmax_scale, ori_win_left, ori_win_right)
+    return out, torch.zeros(1)
+
+
+def fake_mhc_pre_sinkhorn(
+    x, phi, alpha, bias, hc_mult, num_iters, hc_eps=1e-6, norm_eps=1e-6, out_flag=False
+):
+    """CANN's `cann_ops_transformer.mhc_pre_sinkhorn` (ops-transformer
+    `mhc/mhc_pre_sinkhorn/docs/torchapi_mhc_pre_sinkhorn.md`), A2 / A3: x BSND (B, S, N, C) fp16 / bf16, N 4,
+    C a multiple of 128 up to 100,000, 20 iterations; phi ((N + 2) * N, N * C), alpha (3,), bias
+    ((N + 2) * N,) fp32, split pre / post / res. The streams flattened are RMS-scaled (norm_eps) times phi^T;
+    pre = sigmoid(alpha[0] . + b) + hc_eps, post = 2 sigmoid(alpha[1] . + b); res = softmax over its last
+    dim + hc_eps, columns normalized (sum + hc_eps), then num_iters - 1 rounds of rows then columns;
+    hin = the pre-weighted sum of the streams in x's dtype. Returns (hin (B, S, C), h_post (B, S, N),
+    h_res (B, S, N * N) fp32); the intermediates for the backward (out_flag) are not modelled."""
+    assert not out_flag, "the backward's intermediates are not modelled"
+    assert x.dim() == 4, "A2 / A3: x BSND only"
+    B, S, N, C = x.shape
+    assert x.dtype in (torch.float16, torch.bfloat16) and N == hc_mult == 4 and num_iters == 20
+    assert B * S > 0 and C % 128 == 0 and C <= 100000
+    assert phi.dtype == alpha.dtype == bias.dtype == torch.float32
+    assert phi.shape == ((N + 2) * N, N * C) and alpha.shape == (3,) and bias.shape == ((N + 2) * N,)
+    xf = x.float().flatten(-2)  # (B, S, N * C)
+    mix = (xf @ phi.t()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
+    pre, post, res = mix.split([N, N, N * N], -1)
+    pre = torch.sigmoid(pre * alpha[0] + bias[:N]) + hc_eps
+    post = 2 * torch.sigmoid(post * alpha[1] + bias[N : 2 * N])
+    res = (res.view(B, S, N, N) * alpha[2] + bias[2 * N :].view(N, N)).softmax(-1) + hc_eps
+    res = res / (res.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(num_iters - 1):
+        res = res / (res.sum(-1, keepdim=True) + hc_eps)
+        res = res / (res.sum(-2, keepdim=True) + hc_eps)
+    return (pre[..., None] * x.float()).sum(-2).to(x.dtype), post, res.flatten(-2)
+
+
+def fake_mhc_post(x, h_res, h_out, h_post):
+    """CANN's `cann_ops_transformer.mhc_post` (ops-transformer `mhc/mhc_post/docs/torchapi_mhc_post.md`):
+    y[i] = h_post[i] h_out + sum_j h_res[j, i] x[j] (mixed in fp32 here, cast to x's dtype), TND x (T, n,
+    D) or BSND; x / h_out fp16 or bf16 alike, h_res / h_post fp32; h_res required on A2 / A3; every
+    dimension positive."""
+    assert h_res is not None, "A2 / A3: h_res is required"
+    lead, (n, D) = x.shape[:-2], x.shape[-2:]
+    assert x.dim() in (3, 4) and all(d > 0 for d in x.shape) and x.dtype in (torch.float16, torch.bfloat16)
+    assert h_out.dtype == x.dtype and h_out.shape == (*lead, D)
+    assert h_res.dtype == h_post.dtype == torch.float32
+    assert h_res.shape == (*lead, n, n) and h_post.shape == (*lead, n)
+    mixed = torch.einsum("...mn,...md->...nd", h_res, x.float())
+    return (h_post[..., None] * h_out.float()[..., None, :] + mixed).to(x.dtype)
 
 
 # ops of a custom-op library (vllm-ascend's `torch.ops._C_ascend`), not of torch_npu itself
@@ -585,7 +781,21 @@ FAKES = {
 
 # ops of CANN's newer generation (`torch.ops.cann_ops_transformer`), by their `calls` key
 NEWER_COMPRESSOR = "cann_ops_transformer.compressor"
-NEWER = {NEWER_COMPRESSOR: fake_cann_compressor}
+NEWER = {
+    NEWER_COMPRESSOR: fake_cann_compressor,
+    "cann_ops_transformer.mhc_pre_sinkhorn": fake_mhc_pre_sinkhorn,
+    "cann_ops_transformer.mhc_post": fake_mhc_post,
+    "cann_ops_transformer.sparse_flash_mla": fake_sparse_flash_mla,
+    "cann_ops_transformer.sparse_flash_mla_metadata": fake_sparse_flash_mla_metadata,
+}
+# each custom-library op's newer counterpart
+NEWER_OF = {
+    "compressor": NEWER_COMPRESSOR,
+    "npu_hc_pre_v2": "cann_ops_transformer.mhc_pre_sinkhorn",
+    "npu_hc_post": "cann_ops_transformer.mhc_post",
+    "npu_sparse_attn_sharedkv": "cann_ops_transformer.sparse_flash_mla",
+    "npu_sparse_attn_sharedkv_metadata": "cann_ops_transformer.sparse_flash_mla_metadata",
+}
 
 
 class _Recorder(TorchDispatchMode):
@@ -661,19 +871,24 @@ def fake_runtime() -> types.ModuleType:
 
 
 def install(
-    monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...] = (), fused_compressor: bool = True
+    monkeypatch: pytest.MonkeyPatch,
+    missing: tuple[str, ...] = (),
+    fused_compressor: bool = True,
+    older: bool = True,
 ) -> dict[str, int]:
     """Install the fake as `torch_npu`, its custom ops as `torch.ops._C_ascend` and CANN's newer ones as
-    `torch.ops.cann_ops_transformer` (without the ops `missing` names: "compressor", either generation;
-    without the custom library's compressor unless `fused_compressor`); returns how often each op was
+    `torch.ops.cann_ops_transformer` (without the ops `missing` names, a custom op's newer counterpart
+    with it: "compressor", either generation; without the custom library's compressor unless
+    `fused_compressor`, nor its mHC and attention ops unless `older`); returns how often each op was
     called."""
     calls: dict[str, int] = dict.fromkeys([*FAKES, *NEWER], 0)
     module = types.ModuleType("torch_npu")
     library, newer = types.SimpleNamespace(), types.SimpleNamespace()
     monkeypatch.setattr(torch.ops, "_C_ascend", library, raising=False)
     monkeypatch.setattr(torch.ops, "cann_ops_transformer", newer, raising=False)
-    skip = set(missing) | ({NEWER_COMPRESSOR} if "compressor" in missing else set())
+    skip = set(missing) | {NEWER_OF[op] for op in missing if op in NEWER_OF}
     skip |= set() if fused_compressor else {"compressor"}
+    skip |= set() if older else set(NEWER_OF) - {"compressor"}
     for name, fn in {**FAKES, **NEWER}.items():
         if name in skip:
             continue

@@ -136,13 +136,27 @@ def _streams(seed: int, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[A
     return h, hc, norm, HcParams(mult=4, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
 
 
+# each generation's mHC and sparse attention ops, by their `calls` keys
+GENERATION_OPS = {
+    "custom": ("npu_hc_pre_v2", "npu_hc_post", "npu_sparse_attn_sharedkv"),
+    "cann": tuple(
+        f"cann_ops_transformer.{op}" for op in ("mhc_pre_sinkhorn", "mhc_post", "sparse_flash_mla")
+    ),
+}
+
+
+@pytest.mark.parametrize("generation", list(GENERATION_OPS))
 @pytest.mark.parametrize("hidden", [4096, 7168])
-def test_mhc_pre_and_post_on_their_custom_ops_are_the_reference(
-    fake_npu: dict[str, int], hidden: int
+def test_mhc_pre_and_post_on_their_ascend_ops_are_the_reference(
+    monkeypatch: pytest.MonkeyPatch, hidden: int, generation: str
 ) -> None:
     """DeepSeek-V4's mHC at the dimensions the custom ops take (bf16 streams, hc 4, Flash's 4096 and
-    Pro's 7168): the block input, post and comb, then the new streams, against the reference's."""
+    Pro's 7168), on the custom libraries' ops or CANN's newer ones (the two eps apart, so a swap shows):
+    the block input, post and comb, then the new streams, against the reference's."""
+    calls = install(monkeypatch, older=generation == "custom")
+    pre_op, post_op, _ = GENERATION_OPS[generation]
     h, hc, norm, p = _streams(3, 5, hidden, torch.bfloat16)
+    p = dataclasses.replace(p, eps=1e-3)
     dsv4 = select("npu").dsv4
     x, post, comb = dsv4.hc_pre(h, hc, norm, p)
     want_x, want_post, want_comb = REFERENCE.dsv4.hc_pre(h, hc, norm, p)
@@ -155,7 +169,7 @@ def test_mhc_pre_and_post_on_their_custom_ops_are_the_reference(
     assert got.dtype == torch.bfloat16 and got.shape == h.shape
     want = REFERENCE.dsv4.hc_post(out.float(), h.float(), post, comb)  # the op mixes in fp32, then casts
     torch.testing.assert_close(got, want.to(torch.bfloat16))
-    assert fake_npu["npu_hc_pre_v2"] == fake_npu["npu_hc_post"] == 1
+    assert calls[pre_op] == calls[post_op] == 1
 
 
 def test_mhc_outside_the_custom_ops_limits_takes_the_reference(fake_npu: dict[str, int]) -> None:
@@ -215,16 +229,19 @@ def _visible_picks(case: Any, gen: torch.Generator, topk: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("generation", list(GENERATION_OPS))
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 @pytest.mark.parametrize("poison", [False, True])
-def test_sparse_attention_on_its_custom_op_is_the_reference(
-    fake_npu: dict[str, int], ratio: int, poison: bool
+def test_sparse_attention_on_its_ascend_op_is_the_reference(
+    monkeypatch: pytest.MonkeyPatch, ratio: int, poison: bool, generation: str
 ) -> None:
     """DeepSeek-V4's attention at the op's dimensions (64 heads of 512, window 128, bf16, pages of 16) over
     real pools and tables (cached prefixes over earlier steps, evicted window pages, stale rows; with
     `poison`, every slot no query may read holds NaN / inf): the npu backend's call of
-    `npu_sparse_attn_sharedkv` (block tables from the slot tables, each token its own batch entry) gives
-    the reference's output."""
+    `npu_sparse_attn_sharedkv`, or of CANN's newer `sparse_flash_mla` (block tables from the slot tables,
+    each token its own batch entry) gives the reference's output."""
+    calls = install(monkeypatch, older=generation == "custom")
+    attention_op = GENERATION_OPS[generation][2]
     from kernel_cases import kernel_model, make_case, pool_of
 
     cfg = kernel_model(
@@ -243,7 +260,7 @@ def test_sparse_attention_on_its_custom_op_is_the_reference(
     cmp = case.buffer(pool_of(ratio), layer) if ratio else None
     picks = _visible_picks(case, gen, 300) if ratio == 4 else None
     got = select("npu").dsv4.sparse_attention(q, swa, cmp, picks, case.fused, sinks, 512**-0.5, ratio)
-    assert fake_npu["npu_sparse_attn_sharedkv"] == 1
+    assert calls[attention_op] == 1 and sum(calls[ops[2]] for ops in GENERATION_OPS.values()) == 1
     fp32 = [None if t is None else t.float() for t in (q, swa, cmp)]  # the reference in fp32
     want = REFERENCE.dsv4.sparse_attention(
         fp32[0], fp32[1], fp32[2], picks, case.ref, sinks, 512**-0.5, ratio

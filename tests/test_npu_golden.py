@@ -3,7 +3,7 @@ checkpoint at the shapes the ops document (hidden 4096 for mHC and the compresso
 a window of 128 for the sparse attention, 64 index heads of 128, compressors (4, 512), (4, 128) and
 (128, 512) with rope 64, pages of 16) through the executor on the npu backend over the fake `torch_npu`
 (chunked prefills mixed with decodes, decode steps captured as NPU graphs and replayed), against the
-reference backend's greedy tokens: paged and ring state, both compressor generations, and a W8A8
+reference backend's greedy tokens: paged and ring state, both op generations, and a W8A8
 variant for the int8 linear and experts. This checks the wrappers' plumbing in a real step, not the
 kernels: none of this has run on an Ascend NPU."""
 
@@ -176,19 +176,32 @@ def ran(calls: dict[str, int]) -> set[str]:
     return {op for op, n in calls.items() if n}
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-compressor", "cann-compressor"])
+# CANN's newer generation in place of the custom libraries' ops (`calls` keys)
+CANN_OPS = {
+    "npu_hc_pre_v2": "cann_ops_transformer.mhc_pre_sinkhorn",
+    "npu_hc_post": "cann_ops_transformer.mhc_post",
+    "npu_sparse_attn_sharedkv": "cann_ops_transformer.sparse_flash_mla",
+    "npu_sparse_attn_sharedkv_metadata": "cann_ops_transformer.sparse_flash_mla_metadata",
+}
+
+
+@pytest.mark.parametrize("generation", ["custom", "cann"])
 @pytest.mark.parametrize("state_mode", ["paged", "ring"])
 def test_greedy_run_with_every_family_on_its_ascend_op_is_the_references(
-    monkeypatch: pytest.MonkeyPatch, model_dir: Path, references: References, state_mode: str, fused: bool
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path, references: References, state_mode: str, generation: str
 ) -> None:
-    """Every DeepSeek-V4 family the npu backend maps runs its Ascend op (the compressor in the paged
-    state only: the ops take no ring, A3 lacking cache_mode 2); the float checkpoint's linears are
-    torch's matmul (the W8A8 ops take int8 weights only)."""
-    calls = install(monkeypatch, fused_compressor=fused)
+    """Every DeepSeek-V4 family the npu backend maps runs its Ascend op, of the custom libraries'
+    generation or of CANN's newer one (`cann_ops_transformer`: the compressor, mHC's pre / post, the
+    sparse attention and its metadata); the compressor in the paged state only (the ops take no ring, A3
+    lacking cache_mode 2); the float checkpoint's linears are torch's matmul (the W8A8 ops take int8
+    weights only)."""
+    older = generation == "custom"
+    calls = install(monkeypatch, fused_compressor=older, older=older)
     got, runner = npu_run(monkeypatch, model_dir, FLOAT, state_mode)
     check(references(model_dir, FLOAT, state_mode), got, runner, FLOAT)
-    compressor = {"compressor" if fused else NEWER_COMPRESSOR} if state_mode == "paged" else set()
-    assert ran(calls) == FLOAT_OPS | compressor
+    compressor = {"compressor" if older else NEWER_COMPRESSOR} if state_mode == "paged" else set()
+    ops = FLOAT_OPS if older else {CANN_OPS.get(op, op) for op in FLOAT_OPS}
+    assert ran(calls) == ops | compressor
 
 
 def test_w8a8_greedy_run_with_the_int8_linear_and_experts_is_the_references(

@@ -22,11 +22,11 @@ import torch
 from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
 from dsv4serve.backends.npu.attention import PerStep, npu_indexer_topk, npu_sparse_attention
-from dsv4serve.backends.npu.compressor import find_compressor, npu_compressor
+from dsv4serve.backends.npu.compressor import npu_compressor
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
-from dsv4serve.backends.npu.mhc import npu_hc_post, npu_hc_pre
+from dsv4serve.backends.npu.mhc import cann_hc_post, cann_hc_pre, npu_hc_post, npu_hc_pre
 from dsv4serve.backends.npu.mla import npu_mla_attention
 from dsv4serve.backends.npu.norm import npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
@@ -36,10 +36,10 @@ from dsv4serve.config import ConfigError
 # Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
 # builds differ by CANN version; `npu_find_op` says where each is looked for); a family whose ops are
 # missing runs the reference, one warning naming them. The others (DeepSeek-V4's prepare and hc_head;
-# GLM's MLA prepare, qkv_split_norm and rope_store) run the reference. `compressor` is either
-# generation (`compressor.find_compressor`): a custom library's, fusing norm + rope, else CANN's newer
-# `torch.ops.cann_ops_transformer.compressor`, without them. The indexer's int8 form
-# (`npu_quant_lightning_indexer`) is not mapped: the engine keeps its index keys in the model's dtype.
+# GLM's MLA prepare, qkv_split_norm and rope_store) run the reference. The families with an op in NEWER
+# come in two generations (`generation`): the custom libraries' ops named here, else CANN's newer ones
+# in their place. The indexer's int8 form (`npu_quant_lightning_indexer`) is not mapped: the engine
+# keeps its index keys in the model's dtype.
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "linear": ("npu_dynamic_quant", "npu_quant_matmul"),
     "routed_experts": (
@@ -64,7 +64,20 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
 # `_C_ascend` (its csrc build) and SGLang's Ascend kernels' `custom`; each needs that package installed
 # and imported before the engine starts.
 CUSTOM_LIBRARIES = ("_C_ascend", "custom")
+# CANN's newer generation of DeepSeek-V4's ops (`torch.ops.cann_ops_transformer`, hicann ops-transformer's
+# `torchapi_*.md`), by the op each replaces: a family runs on them where this build lacks its older ops.
+# The compressor's drops the fused norm + rope; mHC's pre takes BSND streams, its order of the two eps
+# swapped; the attention's renames `seqused_kv` to `seqused_ori_kv`, pages as PA_BBND and needs the
+# compressed side's length and residual.
+NEWER = {
+    "compressor": "compressor",
+    "npu_hc_pre_v2": "mhc_pre_sinkhorn",
+    "npu_hc_post": "mhc_post",
+    "npu_sparse_attn_sharedkv": "sparse_flash_mla",
+    "npu_sparse_attn_sharedkv_metadata": "sparse_flash_mla_metadata",
+}
 NPU_OPS = tuple(dict.fromkeys(op for ops in FAMILY_OPS.values() for op in ops))
+GENERATIONAL = tuple(family for family, ops in FAMILY_OPS.items() if any(op in NEWER for op in ops))
 
 
 def check_device(device: str) -> None:
@@ -93,15 +106,47 @@ def npu_find_op(npu: ModuleType, name: str) -> Any:
     return None
 
 
+def newer_op(name: str) -> Any:
+    """CANN's newer-generation op `name` (torch.ops.cann_ops_transformer); None if this build lacks it."""
+    namespace = torch.ops.cann_ops_transformer
+    return getattr(namespace, name) if hasattr(namespace, name) else None
+
+
+def generation(found: dict[str, Any], ops: tuple[str, ...]) -> tuple[str | None, dict[str, Any]]:
+    """A family's generation and its ops by their FAMILY_OPS names: "custom" where every op is found
+    (torch_npu's, a custom library's), else "cann" where CANN's newer ops stand in for the missing ones
+    (NEWER; a family takes one generation whole, never a mix); else (None, {})."""
+    if all(found[op] for op in ops):
+        return "custom", {op: found[op] for op in ops}
+    newer = {op: newer_op(NEWER[op]) if op in NEWER else found[op] for op in ops}
+    if any(op in NEWER for op in ops) and all(newer.values()):
+        return "cann", newer
+    return None, {}
+
+
+def _lacks(family: str, ops: tuple[str, ...], found: dict[str, Any]) -> str:
+    """The warning of a family on the reference: the ops missing, of either generation."""
+    missing = [op for op in ops if found[op] is None]
+    newer = [f"cann_ops_transformer.{NEWER[op]}" for op in ops if op in NEWER and newer_op(NEWER[op]) is None]
+    alternative = f" (nor CANN's {', '.join(newer)})" if newer and any(op in NEWER for op in missing) else ""
+    return f"npu backend: this torch_npu lacks {', '.join(missing)}{alternative}: {family} runs the reference"
+
+
 def backend(npu: ModuleType | None = None) -> Backend:
     """The npu backend over `npu` (torch_npu, imported here when None): each family on its Ascend ops
     where this build has them, else on the reference (one warning naming the missing ops)."""
     npu = npu or load_torch_npu()
     reference = ref.backend()
     found = {op: npu_find_op(npu, op) for op in NPU_OPS}
-    found["compressor"], fused = find_compressor(found["compressor"])
-    if found["compressor"] is not None:
-        structlog.get_logger().bind(actor="npu").info("npu_compressor", fused_norm_rope=fused)
+    chosen = {family: generation(found, ops) for family, ops in FAMILY_OPS.items()}
+    gen = {family: g for family, (g, _) in chosen.items()}
+    log = structlog.get_logger().bind(actor="npu")
+    log.info("npu_generation", **{family.removeprefix("dsv4."): gen[family] for family in GENERATIONAL})
+    fused = gen["dsv4.compressor"] == "custom"
+    if gen["dsv4.compressor"] is not None:
+        log.info("npu_compressor", fused_norm_rope=fused)
+    # each family's ops by their FAMILY_OPS names, in its generation (the older names where it has none)
+    use = {family: found | ops for family, (_, ops) in chosen.items()}
     per_step = PerStep()  # the compressors', attention's and indexer's per-step tables, built once a step
     ascend = {
         "linear": partial(npu_linear, npu=npu),
@@ -119,13 +164,23 @@ def backend(npu: ModuleType | None = None) -> Backend:
         "dsv4.rope": partial(npu_rope, npu=npu),
         "dsv4.q_norm_rope": partial(npu_q_norm_rope, npu=npu),
         "dsv4.kv_norm_rope_store": partial(npu_kv_norm_rope_store, npu=npu),
-        "dsv4.hc_pre": partial(npu_hc_pre, pre=found["npu_hc_pre_v2"], rms_norm=found["npu_rms_norm"]),
-        "dsv4.hc_post": partial(npu_hc_post, op=found["npu_hc_post"]),
-        "dsv4.compressor": partial(npu_compressor, op=found["compressor"], fused=fused, shared=per_step),
+        "dsv4.hc_pre": partial(
+            cann_hc_pre if gen["dsv4.hc_pre"] == "cann" else npu_hc_pre,
+            pre=use["dsv4.hc_pre"]["npu_hc_pre_v2"],
+            rms_norm=found["npu_rms_norm"],
+        ),
+        "dsv4.hc_post": partial(
+            cann_hc_post if gen["dsv4.hc_post"] == "cann" else npu_hc_post,
+            op=use["dsv4.hc_post"]["npu_hc_post"],
+        ),
+        "dsv4.compressor": partial(
+            npu_compressor, op=use["dsv4.compressor"]["compressor"], fused=fused, shared=per_step
+        ),
         "dsv4.sparse_attention": partial(
             npu_sparse_attention,
-            op=found["npu_sparse_attn_sharedkv"],
-            metadata_op=found["npu_sparse_attn_sharedkv_metadata"],
+            op=use["dsv4.sparse_attention"]["npu_sparse_attn_sharedkv"],
+            metadata_op=use["dsv4.sparse_attention"]["npu_sparse_attn_sharedkv_metadata"],
+            newer=gen["dsv4.sparse_attention"] == "cann",
             shared=per_step,
         ),
         "dsv4.indexer_topk": partial(npu_indexer_topk, op=found["npu_lightning_indexer"], shared=per_step),
@@ -139,10 +194,8 @@ def backend(npu: ModuleType | None = None) -> Backend:
     }
     families: dict[str, Any] = {}
     for family, ops in FAMILY_OPS.items():
-        missing = [op for op in ops if found[op] is None]
-        if missing:
-            why = f"npu backend: this torch_npu lacks {', '.join(missing)}: {family} runs the reference"
-            warnings.warn(why, RuntimeWarning, stacklevel=2)
+        if gen[family] is None:
+            warnings.warn(_lacks(family, ops, found), RuntimeWarning, stacklevel=2)
             continue
         families[family] = ascend[family]
     grouped = {group: _group(families, group) for group in ("dsv4", "mla")}

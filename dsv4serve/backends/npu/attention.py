@@ -17,8 +17,17 @@ limits. The block tables are the slot tables read at page starts (slot = page * 
 wide as the step's longest request needs; they, the entries and the metadata are built once per step
 (`PerStep`), shared by every layer and by the indexer.
 A call outside the contract (the tiny test models, fp32, a page size not a multiple of 16) takes the
-reference. The output's rope slice is rotated back by the reference's `rope`. **Never run on an Ascend
-NPU.**
+reference.
+
+CANN's newer generation, `cann_ops_transformer.sparse_flash_mla` with `sparse_flash_mla_metadata` (hicann
+ops-transformer `attention/sparse_flash_mla/docs/torchapi_sparse_flash_mla.md`), has the same math with
+`seqused_kv` renamed `seqused_ori_kv` and the pages called PA_BBND; the compressed side takes its own
+length `seqused_cmp_kv` (required with `cmp_block_table`) and `cmp_residual_kv` (required with cmp_kv,
+mode 3, ratio > 1), with cmp_len * ratio + residual the raw length its causal limit counts from, here
+(p + 1) // ratio and (p + 1) % ratio; a window-only call is cmp_ratio 1, cmp_mask_mode 0. Its block
+ids are positive only: a padding token's (page 0, the sentinel, which no request holds) become page 1,
+read and discarded.
+The output's rope slice is rotated back by the reference's `rope`. **Never run on an Ascend NPU.**
 """
 
 from __future__ import annotations
@@ -87,6 +96,15 @@ def every_entry(seqused_kv: torch.Tensor, ratio: int) -> torch.Tensor:
     return torch.where(j < visible, j, -1).to(torch.int32)[:, None, :]
 
 
+def newer_lengths(seqused_kv: torch.Tensor, ratio: int) -> dict[str, torch.Tensor]:
+    """`sparse_flash_mla`'s lengths: the raw ones, and with compressed entries their count (p + 1) // ratio
+    and residual (p + 1) % ratio, so count * ratio + residual is the raw length (T,) int32 each."""
+    lengths = {"seqused_ori_kv": seqused_kv}
+    if ratio:
+        lengths |= {"seqused_cmp_kv": seqused_kv // ratio, "cmp_residual_kv": seqused_kv % ratio}
+    return lengths
+
+
 def npu_sparse_attention(
     q: torch.Tensor,
     swa: torch.Tensor,
@@ -100,21 +118,30 @@ def npu_sparse_attention(
     op: Callable[..., Any],
     metadata_op: Callable[..., Any],
     shared: PerStep,
+    newer: bool = False,
 ) -> torch.Tensor:
-    """Shared-K=V attention over each query's window and compressed entries, with sinks: (T, H, D)."""
+    """Shared-K=V attention over each query's window and compressed entries, with sinks: (T, H, D); on
+    the custom libraries' op, or CANN's newer `sparse_flash_mla` (`newer`)."""
     if not supported(q, meta, ratio):
         return dsv4.sparse_attention(q, swa, compressed, indices, meta, sinks, scale, ratio)
     T, page, longest = q.shape[0], meta.tables.page_size, meta.max_seq_len
     cu_seqlens_q, seqused_kv = shared.get(meta, "entries", lambda: token_entries(meta))
     paged = {"ori_kv": swa.view(-1, page, 1, HEAD_DIM)}
-    paged["ori_block_table"] = shared.get(meta, 0, lambda: block_table(meta.tables.window, meta, longest))
+    first = int(newer)  # the newer op takes positive block ids only: padding reads page 1, not sentinel 0
+    paged["ori_block_table"] = shared.get(
+        meta,
+        ("positive", 0) if first else 0,
+        lambda: block_table(meta.tables.window, meta, longest).clamp(min=first),
+    )
     cmp_topk = 0
     if ratio:
         assert compressed is not None
         table = meta.tables.entries[ratio]
         paged["cmp_kv"] = compressed.view(-1, page, 1, HEAD_DIM)
         paged["cmp_block_table"] = shared.get(
-            meta, ratio, lambda: block_table(table, meta, longest // ratio + 1)
+            meta,
+            ("positive", ratio) if first else ratio,  # the older form shares the indexer's ratio-4 table
+            lambda: block_table(table, meta, longest // ratio + 1).clamp(min=first),
         )
         if ratio == 4:
             if indices is None:  # no query sees more than top-k entries (the model skipped the indexer)
@@ -127,18 +154,23 @@ def npu_sparse_attention(
             cmp_topk = TOPK
     shape: dict[str, Any] = {"cmp_ratio": ratio, "ori_mask_mode": MASK_BAND, "cmp_mask_mode": MASK_CAUSAL}
     shape |= {"ori_win_left": WINDOW - 1, "ori_win_right": 0, "layout_q": "TND", "layout_kv": "PA_ND"}
+    lengths: dict[str, Any] = {"seqused_kv": seqused_kv}
+    if newer:
+        shape |= {"layout_kv": "PA_BBND"} | ({} if ratio else {"cmp_ratio": 1, "cmp_mask_mode": 0})
+        lengths = shared.get(meta, ("newer lengths", ratio), lambda: newer_lengths(seqused_kv, ratio))
+    longest_kv = {"max_seqlen_ori_kv" if newer else "max_seqlen_kv": longest}
     metadata = shared.get(
         meta,
         ("metadata", ratio),
         lambda: metadata_op(
-            HEADS, 1, HEAD_DIM, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, batch_size=T,
-            max_seqlen_q=1, max_seqlen_kv=longest, ori_topk=0, cmp_topk=cmp_topk, has_ori_kv=True,
-            has_cmp_kv=ratio > 0, device=str(q.device), **shape,
+            HEADS, 1, HEAD_DIM, cu_seqlens_q=cu_seqlens_q, **lengths, batch_size=T, max_seqlen_q=1,
+            **longest_kv, ori_topk=0, cmp_topk=cmp_topk, has_ori_kv=True, has_cmp_kv=ratio > 0,
+            **({} if newer else {"device": str(q.device)}), **shape,
         ),
     )  # fmt: skip
     out, _ = op(
-        q, **paged, cu_seqlens_q=cu_seqlens_q, seqused_kv=seqused_kv, sinks=sinks.float(),
-        metadata=metadata, softmax_scale=scale, return_softmax_lse=False, **shape,
+        q, **paged, cu_seqlens_q=cu_seqlens_q, **lengths, sinks=sinks.float(), metadata=metadata,
+        softmax_scale=scale, return_softmax_lse=False, **shape,
     )  # fmt: skip
     return dsv4.rope(out, meta, ratio > 0, inverse=True)
 

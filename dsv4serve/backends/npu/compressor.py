@@ -1,5 +1,5 @@
 """DeepSeek-V4's compressor (the contract of `attention/dsv4.compressor`) on Ascend's `compressor` op, in
-either of its two documented generations, chosen once at start-up (`find_compressor`):
+either of its two documented generations, chosen once at start-up (the backend's `generation`):
 
 - fused: a custom-op library's `compressor` (vllm-ascend `_C_ascend`, SGLang `custom`; ../reference notes
   5.3, hicann ops-transformer `experimental/attention/compressor/README.md` and its `compressor_golden.py`):
@@ -47,15 +47,6 @@ from dsv4serve.backends.npu.attention import PerStep
 
 ROPE, MAX_BLOCK = 64, 1024
 FORMS = {4: (2, (128, 512)), 128: (1, (512,))}  # ratio -> (coff, head dims) the op takes
-
-
-def find_compressor(fused: Callable[..., Any] | None) -> tuple[Callable[..., Any] | None, bool]:
-    """The compressor op and whether it fuses norm + rope: `fused` (a custom library's, found by
-    `npu_find_op`), else CANN's newer `torch.ops.cann_ops_transformer.compressor`; else (None, False)."""
-    if fused is not None:
-        return fused, True
-    newer = torch.ops.cann_ops_transformer
-    return (newer.compressor, False) if hasattr(newer, "compressor") else (None, False)
 
 
 def supported(x: torch.Tensor, w: CompressorWeights, state: torch.Tensor, meta: StepMeta, ratio: int) -> bool:

@@ -10,7 +10,14 @@ post (T, hc) and comb (T, hc, hc) fp32; the mix GEMM runs in HF32 (the op's own 
 1e-4 on post / comb). Supported: hc == 4, D in {4096, 7168}; any other shape or dtype (the tiny test
 checkpoints, fp32 runs) takes the reference for that call. `npu_hc_post(x, residual, post, comb)` takes
 a leading batch dim of 1 on each operand and returns (1, T, hc, D) in x's dtype. The block input's
-RMSNorm, which the family's contract includes, runs on `npu_rms_norm`. **Never run on an Ascend NPU.**
+RMSNorm, which the family's contract includes, runs on `npu_rms_norm`.
+
+CANN's newer generation (hicann ops-transformer `mhc/mhc_pre_sinkhorn/docs/torchapi_mhc_pre_sinkhorn.md`,
+`mhc/mhc_post/docs/torchapi_mhc_post.md`): `mhc_pre_sinkhorn(x, phi, alpha, bias, hc_mult, num_iters,
+hc_eps, norm_eps)` (the eps in the other order) with x BSND (B, S, hc, C) on A2 / A3, fp16 / bf16, hc 4,
+C a multiple of 128, 20 Sinkhorn iterations, returning hin (B, S, C), h_post (B, S, hc) and h_res
+(B, S, hc * hc) fp32 first; `mhc_post(x, h_res, h_out, h_post)` with the streams x (T, hc, D) first and
+h_res required on A2 / A3, returning (T, hc, D) in x's dtype. **Never run on an Ascend NPU.**
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dsv4serve.layers.mhc import HcParams, HyperConnection
 
 HC_MULT = 4
 HIDDEN = (4096, 7168)
+SINKHORN_ITERS, CANN_ALIGN = 20, 128  # the newer ops' limits
 
 
 def supported(h: torch.Tensor, p: HcParams) -> bool:
@@ -67,3 +75,47 @@ def npu_hc_post(
     ):
         return mhc.hc_post(out, h, post, comb)
     return op(out[None], h[None], post[None], comb[None])[0]
+
+
+def cann_supported(h: torch.Tensor, p: HcParams) -> bool:
+    """The newer ops' limits (A2 / A3): fp16 / bf16 streams, hc_mult 4, C a multiple of 128, 20 iterations."""
+    return (
+        h.dtype in (torch.bfloat16, torch.float16)
+        and h.dim() == 3
+        and h.shape[0] > 0
+        and p.mult == HC_MULT == h.shape[1]
+        and p.sinkhorn_iters == SINKHORN_ITERS
+        and h.shape[-1] % CANN_ALIGN == 0
+    )
+
+
+def cann_hc_pre(
+    h: torch.Tensor,
+    hc: HyperConnection,
+    norm_weight: torch.Tensor,
+    p: HcParams,
+    *,
+    pre: Callable[..., Any],
+    rms_norm: Callable[..., Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre` on CANN's `mhc_pre_sinkhorn`: the streams as one BSND batch entry."""
+    if not cann_supported(h, p):
+        return mhc.hc_pre(h, hc, norm_weight, p)
+    T = h.shape[0]
+    y, post, res = pre(h[None], hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.eps, p.norm_eps)[:3]
+    normed, _ = rms_norm(y[0], norm_weight, p.norm_eps)  # y (1, T, D)
+    return normed, post.reshape(T, p.mult), res.reshape(T, p.mult, p.mult)  # (1, T, hc), (1, T, hc * hc)
+
+
+def cann_hc_post(
+    out: torch.Tensor,
+    h: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    op: Callable[..., Any],
+) -> torch.Tensor:
+    """`hc_post` on CANN's `mhc_post` (TND: the streams h (T, hc, D), h_res = comb, h_out = out)."""
+    if h.dtype not in (torch.bfloat16, torch.float16) or out.dtype != h.dtype or h.shape[0] == 0:
+        return mhc.hc_post(out, h, post, comb)
+    return op(h, comb.float(), out, post.float())
