@@ -89,10 +89,6 @@ class FrontLinks:
         cores = [[pairs[f][d][1] for f in range(num_fronts)] for d in range(num_cores)]
         return cls(fronts, cores)
 
-    def close(self) -> None:
-        for sock in [s for row in self.fronts + self.cores for s in row]:
-            sock.close()
-
 
 @dataclass(eq=False)
 class _Core:
@@ -164,11 +160,11 @@ async def run_front(
     num = len(attach) or options.engine.data_parallel_size
     port = free_port() if num > 1 and not attach else None
     cores: list[_Core] = [_Core(None, Frames(_stream(sock), CoreToFront)) for sock in attach]
+    links = links or FrontLinks.make(1, 0 if attach else num)  # one front: a socket pair per core
     try:
         for dp_rank in range(0 if attach else num):
-            own = links.fronts[0][dp_rank] if links else None
             cores.append(
-                await _start_core(options, dp_rank, port, own, links.cores[dp_rank] if links else ())
+                await _start_core(options, dp_rank, port, links.fronts[0][dp_rank], links.cores[dp_rank])
             )
         ready = await _ready(cores)
         log.info(
@@ -250,14 +246,11 @@ async def _start_core(
     options: SystemOptions,
     dp_rank: int,
     port: int | None,
-    front_sock: socket.socket | None = None,
-    core_socks: Sequence[socket.socket] = (),
+    front_sock: socket.socket,
+    core_socks: Sequence[socket.socket],
 ) -> _Core:
-    """A core process; its sockets: `core_socks` (one per front; they are closed here once it holds
-    them) with `front_sock` this front's end, or a new pair."""
-    if front_sock is None:
-        front_sock, core_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        core_socks = (core_sock,)
+    """A core process given `core_socks` (its ends, one per front; closed here once it holds them);
+    this front speaks to it over `front_sock`."""
     core_options = CoreOptions.of(options, dp_rank=dp_rank, port=port)
     fds = [sock.fileno() for sock in core_socks]
     argv = [sys.executable, "-m", "dsv4serve.actors.core_process", ",".join(map(str, fds))]
