@@ -26,7 +26,7 @@ from dsv4serve.backends.npu.compressor import npu_compressor
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
-from dsv4serve.backends.npu.mhc import cann_hc_post, cann_hc_pre, npu_hc_post, npu_hc_pre
+from dsv4serve.backends.npu.mhc import npu_hc_post, npu_hc_pre
 from dsv4serve.backends.npu.mla import npu_mla_attention
 from dsv4serve.backends.npu.norm import npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
@@ -148,16 +148,12 @@ def backend(npu: ModuleType | None = None) -> Backend:
     # each family's ops by their FAMILY_OPS names, in its generation (the older names where it has none)
     use = {family: found | ops for family, (_, ops) in chosen.items()}
     per_step = PerStep()  # the compressors', attention's and indexer's per-step tables, built once a step
+    linear = partial(npu_linear, npu=npu) if gen["linear"] else reference.linear
     ascend = {
-        "linear": partial(npu_linear, npu=npu),
+        "linear": linear,
+        # the shared expert goes through the linear family's choice
         "routed_experts": partial(
-            npu_routed_experts,
-            npu=npu,
-            fallback=reference.routed_experts,
-            # the shared expert: the linear family's op where this build has it, else the reference's
-            linear=partial(npu_linear, npu=npu)
-            if all(found[op] for op in FAMILY_OPS["linear"])
-            else ref.linear,
+            npu_routed_experts, npu=npu, fallback=reference.routed_experts, linear=linear
         ),
         "gating_top_k": partial(npu_gating_top_k, npu=npu, fallback=reference.gating_top_k),
         "rms_norm": partial(npu_rms_norm, npu=npu),
@@ -165,13 +161,13 @@ def backend(npu: ModuleType | None = None) -> Backend:
         "dsv4.q_norm_rope": partial(npu_q_norm_rope, npu=npu),
         "dsv4.kv_norm_rope_store": partial(npu_kv_norm_rope_store, npu=npu),
         "dsv4.hc_pre": partial(
-            cann_hc_pre if gen["dsv4.hc_pre"] == "cann" else npu_hc_pre,
+            npu_hc_pre,
             pre=use["dsv4.hc_pre"]["npu_hc_pre_v2"],
             rms_norm=found["npu_rms_norm"],
+            newer=gen["dsv4.hc_pre"] == "cann",
         ),
         "dsv4.hc_post": partial(
-            cann_hc_post if gen["dsv4.hc_post"] == "cann" else npu_hc_post,
-            op=use["dsv4.hc_post"]["npu_hc_post"],
+            npu_hc_post, op=use["dsv4.hc_post"]["npu_hc_post"], newer=gen["dsv4.hc_post"] == "cann"
         ),
         "dsv4.compressor": partial(
             npu_compressor, op=use["dsv4.compressor"]["compressor"], fused=fused, shared=per_step

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -100,6 +101,15 @@ class CompressPlan:
             slots=slots.new_zeros(T + 1).index_put((rows,), slots)[:T],
         )
 
+    @cached_property
+    def full_cos(self) -> torch.Tensor:
+        """(T, 64) fp32: each angle for its pair of channels, as the fused op takes it (once a step)."""
+        return self.cos.float().repeat_interleave(2, -1)
+
+    @cached_property
+    def full_sin(self) -> torch.Tensor:
+        return self.sin.float().repeat_interleave(2, -1)
+
     @staticmethod
     def output_rows(meta: StepMeta, ratio: int) -> tuple[torch.Tensor, ...]:
         """Each listed window's output row (T for padding), rope angles and entry slot: (NW,) each."""
@@ -156,10 +166,8 @@ def npu_compressor(
     }  # fmt: skip
     state_cache = state.view(-1, page, state.shape[-1])  # (blocks, block_size, 2 * coff * D)
     if fused:
-        full_cos = plan.cos.float().repeat_interleave(2, -1)  # (T, 64): each angle for its pair
-        full_sin = plan.sin.float().repeat_interleave(2, -1)
         entries = op(
-            x, w.wkv, w.wgate, state_cache, w.ape.float(), w.norm.float(), full_sin, full_cos,
+            x, w.wkv, w.wgate, state_cache, w.ape.float(), w.norm.float(), plan.full_sin, plan.full_cos,
             rope_head_dim=ROPE, cmp_ratio=ratio, norm_eps=eps, rotary_mode=2, **paged,
         )  # fmt: skip
     else:

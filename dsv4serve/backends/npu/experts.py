@@ -15,13 +15,11 @@ documented fused op has DeepSeek-V4's clamp-then-SiLU form), and a weighted un-p
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from dsv4serve.backends.npu.linear import npu_linear
 from dsv4serve.layers.linear import Int8Weight, Weight
 from dsv4serve.moe.experts import gate_up_view, swiglu
 
@@ -44,7 +42,7 @@ def npu_routed_experts(
     *,
     npu: ModuleType,
     fallback: ExpertsFn,
-    linear: Callable[[torch.Tensor, Weight], torch.Tensor] | None = None,
+    linear: Callable[[torch.Tensor, Weight], torch.Tensor],
 ) -> torch.Tensor:
     """Same contract as `experts.routed_experts_reference`.
 
@@ -53,9 +51,11 @@ def npu_routed_experts(
     With bf16 activations the int8 GEMMs use the weight scales rounded to bf16 (the only per-token
     row of the documented dtype table with a bf16 output); fp16 keeps them in fp32.
     """
-    if shared is not None:  # the shared expert through the backend's linear (`linear`; npu_linear)
-        routed = npu_routed_experts(x, weights, ids, w1, w2, w3, limit, npu=npu, fallback=fallback)
-        return routed + swiglu(x, *shared, limit=limit, matmul=linear or partial(npu_linear, npu=npu))
+    if shared is not None:  # the shared expert through the backend's linear family (`linear`)
+        routed = npu_routed_experts(
+            x, weights, ids, w1, w2, w3, limit, npu=npu, fallback=fallback, linear=linear
+        )
+        return routed + swiglu(x, *shared, limit=limit, matmul=linear)
     if not _supported(x, w1, w2, w3):
         return fallback(x, weights, ids, w1, w2, w3, limit)
     _check_layout(x, weights, ids, w1, w2, w3)

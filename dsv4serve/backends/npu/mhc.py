@@ -48,11 +48,19 @@ def npu_hc_pre(
     *,
     pre: Callable[..., Any],
     rms_norm: Callable[..., Any],
+    newer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The streams h (T, hc, D) collapsed into the block input (RMSNormed), post (T, hc), comb (T, hc, hc)."""
-    if not supported(h, p):
+    """The streams h (T, hc, D) collapsed into the block input (RMSNormed), post (T, hc), comb (T, hc, hc);
+    on `npu_hc_pre_v2`, or (`newer`) CANN's `mhc_pre_sinkhorn` (the streams as one BSND batch entry)."""
+    if not (cann_supported(h, p) if newer else supported(h, p)):
         return mhc.hc_pre(h, hc, norm_weight, p)
-    y, post, comb = pre(h, hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.norm_eps, p.eps)
+    if newer:
+        y, post, comb = pre(h[None], hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.eps, p.norm_eps)[
+            :3
+        ]
+        y = y[0]  # (1, T, D); post (1, T, hc), comb (1, T, hc * hc)
+    else:
+        y, post, comb = pre(h, hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.norm_eps, p.eps)
     normed, _ = rms_norm(y, norm_weight, p.norm_eps)
     T = h.shape[0]
     return normed, post.reshape(T, p.mult), comb.reshape(T, p.mult, p.mult)
@@ -65,8 +73,14 @@ def npu_hc_post(
     comb: torch.Tensor,
     *,
     op: Callable[..., Any],
+    newer: bool = False,
 ) -> torch.Tensor:
-    """New streams post * out + comb^T h: (T, hc, D) in h's dtype."""
+    """New streams post * out + comb^T h: (T, hc, D) in h's dtype; on `npu_hc_post`, or (`newer`) CANN's
+    `mhc_post` (TND: the streams h first, h_res = comb, h_out = out)."""
+    if newer:
+        if h.dtype not in (torch.bfloat16, torch.float16) or out.dtype != h.dtype or h.shape[0] == 0:
+            return mhc.hc_post(out, h, post, comb)
+        return op(h, comb.float(), out, post.float())
     if (
         h.dtype != torch.bfloat16
         or out.dtype != h.dtype
@@ -87,35 +101,3 @@ def cann_supported(h: torch.Tensor, p: HcParams) -> bool:
         and p.sinkhorn_iters == SINKHORN_ITERS
         and h.shape[-1] % CANN_ALIGN == 0
     )
-
-
-def cann_hc_pre(
-    h: torch.Tensor,
-    hc: HyperConnection,
-    norm_weight: torch.Tensor,
-    p: HcParams,
-    *,
-    pre: Callable[..., Any],
-    rms_norm: Callable[..., Any],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`hc_pre` on CANN's `mhc_pre_sinkhorn`: the streams as one BSND batch entry."""
-    if not cann_supported(h, p):
-        return mhc.hc_pre(h, hc, norm_weight, p)
-    T = h.shape[0]
-    y, post, res = pre(h[None], hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.eps, p.norm_eps)[:3]
-    normed, _ = rms_norm(y[0], norm_weight, p.norm_eps)  # y (1, T, D)
-    return normed, post.reshape(T, p.mult), res.reshape(T, p.mult, p.mult)  # (1, T, hc), (1, T, hc * hc)
-
-
-def cann_hc_post(
-    out: torch.Tensor,
-    h: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    *,
-    op: Callable[..., Any],
-) -> torch.Tensor:
-    """`hc_post` on CANN's `mhc_post` (TND: the streams h (T, hc, D), h_res = comb, h_out = out)."""
-    if h.dtype not in (torch.bfloat16, torch.float16) or out.dtype != h.dtype or h.shape[0] == 0:
-        return mhc.hc_post(out, h, post, comb)
-    return op(h, comb.float(), out, post.float())
