@@ -187,14 +187,21 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="the step's token budget (as serve's)",
     )
+    p.add_argument(
+        "--indexer-quant",
+        choices=("int8",),
+        default=None,
+        help="DeepSeek-V4's index keys in int8 (as serve's): the c4 pool's bytes per slot",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from dsv4serve.models.plan import plan, render
-    from dsv4serve.models.registry import config_from_dir, config_from_json_file, spec_for
+    from dsv4serve.models.registry import config_from_dir, config_from_json_file, spec_for, with_index_quant
 
     model = config_from_json_file(args.config) if args.config else config_from_dir(args.model)
+    model = with_index_quant(model, args.indexer_quant)
     result = plan(
         spec_for(model.model_type),
         model,

@@ -89,6 +89,12 @@ class EngineConfig:
         "official FP8 linears: dequantized at load, or kept as FP8 blocks (fp8: W8A8)",
         choices=FP8_LINEARS,
     )
+    indexer_quant: str | None = knob(
+        None,
+        "DeepSeek-V4's lightning indexer in int8, as Ascend serves it: keys and queries Hadamard-rotated "
+        "and quantized per token (cpu and npu devices)",
+        choices=("int8",),
+    )
     graphs: bool = knob(True, "capture decode steps as device graphs (CUDA)")
     tensor_parallel_size: int = knob(
         1,
@@ -147,6 +153,11 @@ class EngineConfig:
                 raise ConfigError(f"master_port: several hosts need a port, got {self.master_port}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"node_rank: {self.node_rank} is not in [0, nnodes {self.nnodes})")
+        if self.indexer_quant is not None and self.device.startswith("cuda"):
+            raise ConfigError(
+                "indexer_quant: int8 index keys are Ascend's format; the cuda backend's indexer kernels "
+                "read them in the model's dtype (use device cpu or npu)"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization: expected a number in (0, 1], got {self.gpu_memory_utilization!r}"

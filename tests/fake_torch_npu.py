@@ -555,9 +555,55 @@ def fake_mhc_post(x, h_res, h_out, h_post):
     return (h_post[..., None] * h_out.float()[..., None, :] + mixed).to(x.dtype)
 
 
+def fake_quant_lightning_indexer(
+    query, key, weights, query_dequant_scale, key_dequant_scale, *, actual_seq_lengths_query=None,
+    actual_seq_lengths_key=None, block_table=None, query_quant_mode=0, key_quant_mode=0, layout_query="BSND",
+    layout_key="BSND", sparse_count=2048, sparse_mode=3,
+):  # fmt: skip
+    """`custom.npu_quant_lightning_indexer` (ops-transformer `attention/quant_lightning_indexer` doc): the
+    lightning indexer on per-token-head quantized inputs; per query token the `sparse_count` largest
+    sum_g W[g] * ReLU(Scale_Q[g] * Scale_K[j] * (Q[g] . K[j])) over the keys its causal limit allows
+    (sparse_mode 3). query int8 (T, 64, 128) TND, its dequant scale and the weights fp16 (T, 64); key
+    int8 PA_BSND (blocks, block_size, 1, 128), its scale fp16 (blocks, block_size, 1); scales >= 0,
+    W * Scale_Q representable in fp16; block size a multiple of 16 up to 1,024; quant modes 0. Returns
+    int32 (T, 1, sparse_count) alone, -1 padded (highest first; no documented tie order: here the lower
+    index)."""
+    T, N, D = query.shape
+    assert layout_query == "TND" and layout_key == "PA_BSND" and sparse_mode == 3 and N == 64 and D == 128
+    assert query.dtype == key.dtype == torch.int8 and query_quant_mode == key_quant_mode == 0
+    assert weights.dtype == query_dequant_scale.dtype == key_dequant_scale.dtype == torch.float16
+    assert weights.shape == query_dequant_scale.shape == (T, N) and key.dim() == 4 and key.shape[2:] == (1, D)
+    size = key.shape[1]
+    assert key_dequant_scale.shape == key.shape[:3] and size % 16 == 0 and size <= 1024
+    assert bool((query_dequant_scale >= 0).all())
+    assert bool(torch.isfinite(weights * query_dequant_scale).all()), "W * Scale_Q overflows fp16"
+    assert block_table.dtype == actual_seq_lengths_query.dtype == actual_seq_lengths_key.dtype == torch.int32
+    assert 1 <= sparse_count <= 2048
+    out = torch.full((T, 1, sparse_count), -1, dtype=torch.int32)
+    start = 0
+    for b, end in enumerate(actual_seq_lengths_query.tolist()):
+        length = int(actual_seq_lengths_key[b])
+        for i, t in enumerate(range(start, end)):
+            seen = length - (end - start) + i + 1  # keys 0 .. seen - 1
+            if seen <= 0:
+                continue
+            j = torch.arange(seen)
+            page, row = block_table[b, j // size].long(), j % size
+            k, k_scale = key[page, row, 0].float(), key_dequant_scale[page, row, 0].float()  # (seen, D)
+            assert bool((k_scale >= 0).all()), "the keys' dequant scales are >= 0"
+            dots = query[t].float() @ k.T  # (N, seen)
+            scaled = query_dequant_scale[t].float()[:, None] * k_scale[None, :] * dots
+            score = (weights[t].float()[:, None] * torch.relu(scaled)).sum(0)
+            order = torch.sort(score, descending=True, stable=True).indices[:sparse_count]
+            out[t, 0, : order.numel()] = order.to(torch.int32)
+        start = end
+    return out
+
+
 # ops of a custom-op library (vllm-ascend's `torch.ops._C_ascend`), not of torch_npu itself
 CUSTOM = {
     "compressor": fake_compressor,
+    "npu_quant_lightning_indexer": fake_quant_lightning_indexer,
     "npu_hc_pre_v2": fake_hc_pre_v2,
     "npu_hc_post": fake_hc_post,
     "npu_sparse_attn_sharedkv": fake_sparse_attn_sharedkv,

@@ -44,7 +44,7 @@ class ToyConfig:
     @property
     def kv_layout(self) -> KVLayout:
         every = tuple(range(self.num_layers))
-        carry = BufferSpec("carry_rows", 6, (2,), fp32=True)
+        carry = BufferSpec("carry_rows", 6, (2,), dtype="float32")
         return KVLayout(
             (
                 PoolSpec("tok", "raw", buffers=(BufferSpec("tok_kv", 8, every),)),

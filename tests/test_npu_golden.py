@@ -243,3 +243,34 @@ def test_w8a8_without_npu_quant_matmul_runs_the_reference_linear(
         ops = select("npu")
     got = engine_traces(w8a8_dir, long, 1, config, runner=ModelRunner(w8a8_dir, config, ops=ops))
     assert compare(want[0], got[0]) < 0.5
+
+
+def test_int8_indexer_greedy_run_on_the_quantized_indexer_is_the_references(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path
+) -> None:
+    """`indexer_quant="int8"`: the compressor's index keys rotated and quantized by npu_dynamic_quant into
+    the int8 pool, the picks by npu_quant_lightning_indexer (int8 query and keys, fp16 scales), against
+    the reference backend's int8 indexer; graphs on."""
+    calls = install(monkeypatch)
+    config = engine().with_(indexer_quant="int8")
+    want = run(model_dir, FLOAT, config)
+    monkeypatch.setattr(NpuGraphs, "device_type", "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        runner = ModelRunner(model_dir, config, ops=select("npu"))
+    check(want, run(model_dir, FLOAT, config, runner), runner, FLOAT)
+    indexer = {"npu_quant_lightning_indexer", "npu_dynamic_quant", "compressor"}
+    assert ran(calls) == (FLOAT_OPS - {"npu_lightning_indexer"}) | indexer
+
+
+def test_int8_indexer_without_its_op_warns_once_and_runs_the_reference(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path
+) -> None:
+    install(monkeypatch, missing=("npu_quant_lightning_indexer",))
+    config, long = engine(graphs=False).with_(indexer_quant="int8"), prompts(FLOAT.seed)[:1]
+    want = engine_traces(model_dir, long, 2, config)
+    runner = ModelRunner(model_dir, config, ops=select("npu"))
+    with pytest.warns(RuntimeWarning, match="npu_quant_lightning_indexer") as caught:
+        got = engine_traces(model_dir, long, 2, config, runner=runner)
+    assert compare(want[0], got[0]) < 0.3
+    assert sum("npu_quant_lightning_indexer" in str(w.message) for w in caught) == 1

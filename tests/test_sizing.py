@@ -201,7 +201,7 @@ def test_all_swa_model_is_capped_by_max_position_embeddings(flash: DeepseekV4Con
 def test_to_dict_is_json(flash: DeepseekV4Config) -> None:
     d = json.loads(json.dumps(plan(flash).to_dict()))
     assert (d["pools"]["c4_state"]["slots"], d["pools"]["c128_state"]["slots"]) == (16384, 24576)
-    assert d["pools"]["c4"]["buffers"]["c4"] == {"layers": 21, "width": 512, "fp32": False}
+    assert d["pools"]["c4"]["buffers"]["c4"] == {"layers": 21, "width": 512, "dtype": "bfloat16"}
     assert d["kv_bytes_per_token"] == 6880 and d["model_type"] == "deepseek_v4"
     assert sum(d["weight_bytes_by_group"].values()) == d["weight_bytes"]
 

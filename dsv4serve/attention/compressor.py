@@ -18,6 +18,7 @@ import torch
 
 from dsv4serve.attention.core import pool_windows, rms_norm
 from dsv4serve.attention.geometry import CompressGeometry
+from dsv4serve.attention.int8_index import Int8Rows, store_rows
 from dsv4serve.attention.rope import apply_rope
 
 
@@ -40,20 +41,21 @@ def compress_step(
     x: torch.Tensor,
     w: CompressorWeights,
     state: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | Int8Rows,
     geo: CompressGeometry,
     ratio: int,
     eps: float,
 ) -> None:
     """Close this step's windows into `out` and persist the state rows later steps need.
 
-    state: (slots, 2*coff*d) fp32 rows [kv | score]; out: (slots, d) compressed entries (flat views).
+    state: (slots, 2*coff*d) fp32 rows [kv | score]; out: (slots, d) compressed entries (flat views;
+    the int8 indexer's keys as int8 rows).
     """
     kv = torch.nn.functional.linear(x, w.wkv)  # (T, coff*d)
     score = torch.nn.functional.linear(x, w.wgate) + w.ape[geo.ape_row]  # (T, coff*d) fp32
     if geo.out_slots.numel():
         compressed = _close_windows(kv, score, w, state, geo, ratio, eps)
-        out.index_copy_(0, geo.out_slots, compressed.to(out.dtype))
+        store_rows(out, geo.out_slots, compressed)
     state.index_copy_(0, geo.state_write, torch.cat([kv.float(), score.float()], dim=-1))
 
 

@@ -15,6 +15,7 @@ import torch
 from dsv4serve.attention import core
 from dsv4serve.attention.compressor import CompressorWeights, compress_step
 from dsv4serve.attention.geometry import StepGeometry
+from dsv4serve.attention.int8_index import Int8Rows, int8_scores, rotate_quantize
 from dsv4serve.attention.rope import apply_rope
 from dsv4serve.attention.step import StepMeta
 
@@ -52,7 +53,7 @@ def compressor(
     x: torch.Tensor,
     w: CompressorWeights,
     state: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | Int8Rows,
     meta: StepMeta,
     ratio: int,
     eps: float,
@@ -62,16 +63,27 @@ def compressor(
 
 
 def indexer_topk(
-    q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, meta: StepMeta, topk: int, scale: float
+    q: torch.Tensor,
+    head_w: torch.Tensor,
+    keys: torch.Tensor | Int8Rows,
+    meta: StepMeta,
+    topk: int,
+    scale: float,
 ) -> torch.Tensor:
     """The lightning indexer's choice of ratio-4 entries per query.
 
-    q: (T, Hi, Di) roped index queries; head_w: (T, Hi) fp32; keys: (slots, Di) the index-key pool.
+    q: (T, Hi, Di) roped index queries; head_w: (T, Hi) fp32; keys: (slots, Di) the index-key pool (or
+    its int8 rows: attention/int8_index.py).
     Returns (T, min(topk, J)) int32 compressed indices of the `topk` highest scores (exact ties to the
     lowest index), in index order, -1 (last) where fewer entries are visible.
     """
     cg = _geometry(meta).compress[4]
-    scores = core.indexer_scores(q, keys[cg.entry_slots], head_w, scale)  # (T, J)
+    if isinstance(keys, Int8Rows):  # the int8 indexer: q rotated and quantized as the keys were
+        qi, q_scale = rotate_quantize(q)
+        slots = cg.entry_slots
+        scores = int8_scores(qi, q_scale, keys.data[slots], keys.scale[slots, 0], head_w * scale)
+    else:
+        scores = core.indexer_scores(q, keys[cg.entry_slots], head_w, scale)  # (T, J)
     scores = scores.masked_fill(~cg.entry_visible, float("-inf"))
     chosen = core.topk_lowest_ties(scores, min(topk, scores.shape[1]))  # (T, K)
     return core.in_index_order(chosen, cg.entry_visible.gather(1, chosen))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.attention.int8_index import Int8Rows
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.mla import MlaDims, MlaMeta, QkvLatents
 from dsv4serve.attention.rope import RopeTables
@@ -121,7 +122,7 @@ class Compressor(Protocol):
         x: Tensor,
         w: CompressorWeights,
         state: Tensor,
-        out: Tensor,
+        out: Tensor | Int8Rows,
         meta: StepMeta,
         ratio: int,
         eps: float,
@@ -131,7 +132,7 @@ class Compressor(Protocol):
 
 class IndexerTopK(Protocol):
     def __call__(
-        self, q: Tensor, head_w: Tensor, keys: Tensor, meta: StepMeta, topk: int, scale: float, /
+        self, q: Tensor, head_w: Tensor, keys: Tensor | Int8Rows, meta: StepMeta, topk: int, scale: float, /
     ) -> Tensor: ...
 
 

@@ -40,7 +40,7 @@ from dsv4serve.memory.sizing import GIB, activation_reserve, engine_pool_sizes, 
 from dsv4serve.memory.tables import SlotTables, write_cache_locs_batch
 from dsv4serve.models.loader import load_weights, loaded_schema
 from dsv4serve.models.progress import shown
-from dsv4serve.models.registry import config_from_dir, spec_for
+from dsv4serve.models.registry import config_from_dir, spec_for, with_index_quant
 from dsv4serve.models.spec import ModelContext, ModelSpec
 from dsv4serve.protocol import (
     CacheLocs,
@@ -148,7 +148,7 @@ class ModelRunner:
         Several ranks (tensor_parallel_size or data_parallel_size > 1, `ranks.py`): a core's leader
         (tp_rank 0; `place` None for the only core) starts its other tensor-parallel ranks, each of which
         builds its own runner at its `place`; every rank holds its share."""
-        cfg = config_from_dir(model_dir)
+        cfg = with_index_quant(config_from_dir(model_dir), engine.indexer_quant)
         ops = ops or select(engine.device)  # a device this machine lacks fails before any weight loads
         followers = None
         if engine.tensor_parallel_size * engine.data_parallel_size > 1:

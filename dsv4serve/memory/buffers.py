@@ -28,7 +28,7 @@ class LayoutBuffers:
         for pool in layout.pools:
             pages = sizes.pages(pool.name)
             for b in pool.buffers:
-                kind = torch.float32 if b.fp32 else dtype
+                kind = dtype if b.dtype is None else getattr(torch, b.dtype)
                 self.buffers[b.name] = {
                     layer: torch.empty(pages + 1, size, 1, b.width, dtype=kind, device=dev)
                     for layer in b.layers

@@ -10,7 +10,8 @@ indices keep a slot there:
   compressed  compressed indices [0, seq // ratio): one per closed window of `ratio` raw tokens
   state       raw positions from `keep_start(ratio, seq)`: the compressor's open window(s)
 Its buffers are per layer: each of `layers` holds one row of `width` elements per slot, in the KV
-dtype or fp32. A pool without buffers is an address space only (DSV4's `full`).
+dtype or a fixed one (fp32 compressor state, DSV4's int8 index keys and their fp16 scales). A pool
+without buffers is an address space only (DSV4's `full`).
 
 The allocator, the slot tables, the engine's sizing, `plan` and the KV writer work from this
 declaration alone (they never name a pool); the model's math reads the buffers the model spec
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 PoolIndex = Literal["raw", "compressed", "state"]
+STORAGE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +32,13 @@ class BufferSpec:
     name: str
     width: int  # elements per slot per layer
     layers: tuple[int, ...]
-    fp32: bool = False  # else the engine's KV dtype
+    dtype: str | None = None  # a torch dtype's name ("float32", "int8", ..); None: the engine's KV dtype
 
     def bytes_per_slot(self, kv_bytes: int) -> int:
-        return len(self.layers) * self.width * (4 if self.fp32 else kv_bytes)
+        return len(self.layers) * self.width * self.element_bytes(kv_bytes)
+
+    def element_bytes(self, kv_bytes: int) -> int:
+        return kv_bytes if self.dtype is None else STORAGE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,8 @@ class DevicePlan:
                 "ratio": p.ratio,
                 "window": p.window,
                 "buffers": {
-                    b.name: {"layers": len(b.layers), "width": b.width, "fp32": b.fp32} for b in p.buffers
+                    b.name: {"layers": len(b.layers), "width": b.width, "dtype": b.dtype or self.dtype}
+                    for b in p.buffers
                 },
                 "bytes_per_slot": per_slot[p.name],
                 "slots_per_request": per_request.get(p.name, 0),
@@ -243,7 +244,7 @@ def _pool_label(q: PoolSpec) -> str:
 
 
 def _slot_formula(q: PoolSpec, e: int) -> str:
-    return " + ".join(f"{len(b.layers)} x {b.width} x {4 if b.fp32 else e}" for b in q.buffers)
+    return " + ".join(f"{len(b.layers)} x {b.width} x {b.element_bytes(e)}" for b in q.buffers)
 
 
 def _request_formula(q: PoolSpec, page: int) -> str:

@@ -8,6 +8,7 @@ Importing this module loads neither torch nor transformers.
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +74,13 @@ def config_from_dir(model_dir: str | Path) -> ServedModelConfig:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model directory {str(path)!r} has no config.json")
     return config_from_json_file(path / "config.json")
+
+
+def with_index_quant(cfg: ServedModelConfig, index_quant: str | None) -> ServedModelConfig:
+    """The config with the engine's `indexer_quant` (its index-key pool's format): only a family with a
+    lightning indexer (DeepSeek-V4) takes one."""
+    if index_quant is None:
+        return cfg
+    if "index_quant" not in {f.name for f in fields(cfg)}:  # type: ignore[arg-type]
+        raise ConfigError(f"indexer_quant: {cfg.model_type} has no lightning indexer")
+    return replace(cfg, index_quant=index_quant)  # type: ignore[type-var]

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.attention.int8_index import Int8Rows
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2
 from dsv4serve.layers.linear import Weight
@@ -159,13 +160,14 @@ def compressor(
     x: torch.Tensor,
     w: CompressorWeights,
     state: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | Int8Rows,
     meta: StepMeta,
     ratio: int,
     eps: float,
     *,
     linear: Callable[[torch.Tensor, Weight], torch.Tensor],
 ) -> None:
+    assert isinstance(out, torch.Tensor), "int8 index keys: not on cuda (EngineConfig refuses them)"
     T = x.shape[0]
     coff = 2 if ratio == 4 else 1
     width, d = w.wkv.shape[0], out.shape[-1]

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.attention.core import in_index_order
+from dsv4serve.attention.int8_index import Int8Rows
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2
 
@@ -74,8 +75,14 @@ def _indexer_scores_kernel(
 
 
 def indexer_topk(
-    q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, meta: StepMeta, topk: int, scale: float
+    q: torch.Tensor,
+    head_w: torch.Tensor,
+    keys: torch.Tensor | Int8Rows,
+    meta: StepMeta,
+    topk: int,
+    scale: float,
 ) -> torch.Tensor:
+    assert isinstance(keys, torch.Tensor), "int8 index keys: not on cuda (EngineConfig refuses them)"
     T, Hi, Di = q.shape
     J = meta.num_entries[4]
     k = min(topk, J)

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 import torch
 
+from dsv4serve.attention.int8_index import quantize_rows
 from dsv4serve.backends import Backend
 from dsv4serve.backends import reference as ref
 from dsv4serve.backends.npu.attention import PerStep, npu_indexer_topk, npu_sparse_attention
@@ -38,8 +39,8 @@ from dsv4serve.config import ConfigError
 # missing runs the reference, one warning naming them. The others (DeepSeek-V4's prepare and hc_head;
 # GLM's MLA prepare, qkv_split_norm and rope_store) run the reference. The families with an op in NEWER
 # come in two generations (`generation`): the custom libraries' ops named here, else CANN's newer ones
-# in their place. The indexer's int8 form (`npu_quant_lightning_indexer`) is not mapped: the engine
-# keeps its index keys in the model's dtype.
+# in their place. The engine's int8 indexer (`indexer_quant="int8"`) takes INT8_INDEXER where found, else
+# the reference (one warning, on its first call).
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "linear": ("npu_dynamic_quant", "npu_quant_matmul"),
     "routed_experts": (
@@ -64,6 +65,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
 # `_C_ascend` (its csrc build) and SGLang's Ascend kernels' `custom`; each needs that package installed
 # and imported before the engine starts.
 CUSTOM_LIBRARIES = ("_C_ascend", "custom")
+INT8_INDEXER = "npu_quant_lightning_indexer"
 # CANN's newer generation of DeepSeek-V4's ops (`torch.ops.cann_ops_transformer`, hicann ops-transformer's
 # `torchapi_*.md`), by the op each replaces: a family runs on them where this build lacks its older ops.
 # The compressor's drops the fused norm + rope; mHC's pre takes BSND streams, its order of the two eps
@@ -148,6 +150,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
     # each family's ops by their FAMILY_OPS names, in its generation (the older names where it has none)
     use = {family: found | ops for family, (_, ops) in chosen.items()}
     per_step = PerStep()  # the compressors', attention's and indexer's per-step tables, built once a step
+    quant = found["npu_dynamic_quant"] or quantize_rows  # (the int8 indexer's rows; linear needs the op)
     linear = partial(npu_linear, npu=npu) if gen["linear"] else reference.linear
     ascend = {
         "linear": linear,
@@ -170,7 +173,11 @@ def backend(npu: ModuleType | None = None) -> Backend:
             npu_hc_post, op=use["dsv4.hc_post"]["npu_hc_post"], newer=gen["dsv4.hc_post"] == "cann"
         ),
         "dsv4.compressor": partial(
-            npu_compressor, op=use["dsv4.compressor"]["compressor"], fused=fused, shared=per_step
+            npu_compressor,
+            op=use["dsv4.compressor"]["compressor"],
+            fused=fused,
+            shared=per_step,
+            quant=quant,
         ),
         "dsv4.sparse_attention": partial(
             npu_sparse_attention,
@@ -179,7 +186,13 @@ def backend(npu: ModuleType | None = None) -> Backend:
             newer=gen["dsv4.sparse_attention"] == "cann",
             shared=per_step,
         ),
-        "dsv4.indexer_topk": partial(npu_indexer_topk, op=found["npu_lightning_indexer"], shared=per_step),
+        "dsv4.indexer_topk": partial(
+            npu_indexer_topk,
+            op=found["npu_lightning_indexer"],
+            quant_op=npu_find_op(npu, INT8_INDEXER) if found["npu_dynamic_quant"] else None,
+            quant=quant,
+            shared=per_step,
+        ),
         "mla.attention": partial(
             npu_mla_attention,
             op=found["npu_fused_infer_attention_score"],

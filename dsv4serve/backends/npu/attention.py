@@ -32,12 +32,15 @@ The output's rope slice is rotated back by the reference's `rope`. **Never run o
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dsv4serve.attention import dsv4
+from dsv4serve.attention.hadamard import hadamard_transform
+from dsv4serve.attention.int8_index import Int8Rows
 from dsv4serve.attention.step import StepMeta
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
@@ -59,11 +62,13 @@ def supported(q: torch.Tensor, meta: StepMeta, ratio: int) -> bool:
 
 class PerStep:
     """What every layer of a step shares, built by its first layer (the attention's and the indexer's
-    calls share one): each token as a batch entry, the block tables, the attention's metadata."""
+    calls share one): each token as a batch entry, the block tables, the attention's metadata; and
+    whether a call-time fallback has warned."""
 
     def __init__(self) -> None:
         self.meta: object = None  # the step's metadata (StepMeta, MlaMeta): one object a step
         self.items: dict[object, Any] = {}
+        self.warned = False  # a fallback's warning given (once an engine)
 
     def get(self, meta: object, key: object, make: Callable[[], Any]) -> Any:
         if self.meta is not meta:  # a new step
@@ -176,17 +181,23 @@ def npu_sparse_attention(
 
 
 INDEX_HEADS, INDEX_DIM, INDEX_MAX_TOPK = 64, 128, 2048
+NO_INT8_INDEXER = (
+    "npu backend: this torch_npu lacks npu_quant_lightning_indexer (or npu_dynamic_quant): the int8 "
+    "indexer runs the reference"
+)
 
 
 def npu_indexer_topk(
     q: torch.Tensor,
     head_w: torch.Tensor,
-    keys: torch.Tensor,
+    keys: torch.Tensor | Int8Rows,
     meta: StepMeta,
     topk: int,
     scale: float,
     *,
     op: Callable[..., Any],
+    quant_op: Callable[..., Any] | None,
+    quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     shared: PerStep,
 ) -> torch.Tensor:
     """The lightning indexer on torch_npu's `npu_lightning_indexer` (op-plugin doc; ops-transformer's
@@ -198,21 +209,41 @@ def npu_indexer_topk(
     weights are the reference's fp32 head weights times `scale`, rounded to q's dtype (the op's
     contract: picks may differ from the reference's where two scores lie within that rounding). The op
     documents no tie order; the picks come back in the contract's index order, -1 last. Outside the
-    op's limits: the reference. **Never run on an Ascend NPU.**"""
+    op's limits: the reference. **Never run on an Ascend NPU.**
+
+    The int8 indexer's keys (`Int8Rows`) go to `quant_op`, `npu_quant_lightning_indexer` (ops-transformer
+    `attention/quant_lightning_indexer` doc; SGLang's Ascend kernels, `custom`): the same call with an int8
+    query, its fp16 per-token-head dequant scale (T, 64) and the keys' fp16 scales paged (blocks,
+    block_size, 1), weights fp16; score sum_h w_h relu(sq_h sk_j (q_h . k_j)). The query is rotated and
+    quantized here with `quant` (`npu_dynamic_quant`), as the keys were by the compressor."""
     page = meta.tables.page_size
     fits = q.dtype in (torch.bfloat16, torch.float16) and q.shape[1:] == (INDEX_HEADS, INDEX_DIM)
+    if isinstance(keys, Int8Rows) and quant_op is None:
+        if not shared.warned:  # once an engine
+            shared.warned = True
+            warnings.warn(NO_INT8_INDEXER, RuntimeWarning, stacklevel=2)
+        return dsv4.indexer_topk(q, head_w, keys, meta, topk, scale)
     if not (fits and topk <= INDEX_MAX_TOPK and page > 0 and page % 16 == 0 and page <= 1024):
         return dsv4.indexer_topk(q, head_w, keys, meta, topk, scale)
     T = q.shape[0]
     cu_seqlens_q, seqused_kv = shared.get(meta, "entries", lambda: token_entries(meta))
     table = meta.tables.entries[4]  # the index keys share the ratio-4 entries' slots
-    picks, _ = op(
-        q, keys.view(-1, page, 1, INDEX_DIM), (head_w.float() * scale).to(q.dtype),
-        actual_seq_lengths_query=cu_seqlens_q[1:],
-        actual_seq_lengths_key=seqused_kv // 4,  # the visible entries, (position + 1) // 4
-        block_table=shared.get(meta, 4, lambda: block_table(table, meta, meta.max_seq_len // 4 + 1)),
-        layout_query="TND", layout_key="PA_BSND", sparse_count=topk, sparse_mode=3,
-    )  # fmt: skip
+    paged = {
+        "actual_seq_lengths_query": cu_seqlens_q[1:],
+        "actual_seq_lengths_key": seqused_kv // 4,  # the visible entries, (position + 1) // 4
+        "block_table": shared.get(meta, 4, lambda: block_table(table, meta, meta.max_seq_len // 4 + 1)),
+        "layout_query": "TND", "layout_key": "PA_BSND", "sparse_count": topk, "sparse_mode": 3,
+    }  # fmt: skip
+    if isinstance(keys, Int8Rows):
+        assert quant_op is not None
+        qi, q_scale = quant(hadamard_transform(q))  # (T, 64, 128) int8, (T, 64) fp32
+        picks = quant_op(
+            qi, keys.data.view(-1, page, 1, INDEX_DIM), (head_w.float() * scale).half(), q_scale.half(),
+            keys.scale.view(-1, page, 1), query_quant_mode=0, key_quant_mode=0, **paged,
+        )  # fmt: skip
+    else:
+        w = (head_w.float() * scale).to(q.dtype)
+        picks, _ = op(q, keys.view(-1, page, 1, INDEX_DIM), w, **paged)
     picks = picks.view(T, topk)
     big = torch.iinfo(torch.int32).max
     ordered = torch.where(picks >= 0, picks, big).sort(dim=-1).values[:, : min(topk, meta.num_entries[4])]

@@ -42,6 +42,8 @@ import torch
 
 from dsv4serve.attention import core, dsv4
 from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.attention.hadamard import hadamard_transform
+from dsv4serve.attention.int8_index import Int8Rows
 from dsv4serve.attention.rope import apply_rope
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.backends.npu.attention import PerStep
@@ -145,7 +147,7 @@ def npu_compressor(
     x: torch.Tensor,
     w: CompressorWeights,
     state: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | Int8Rows,
     meta: StepMeta,
     ratio: int,
     eps: float,
@@ -153,8 +155,10 @@ def npu_compressor(
     op: Callable[..., Any],
     fused: bool,
     shared: PerStep,
+    quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
-    """Project, close this step's windows into `out` and persist the state rows later steps need."""
+    """Project, close this step's windows into `out` and persist the state rows later steps need (the
+    int8 indexer's keys quantized by `quant`, torch_npu's `npu_dynamic_quant`)."""
     if not supported(x, w, state, meta, ratio):
         dsv4.compressor(x, w, state, out, meta, ratio, eps)
         return
@@ -173,4 +177,9 @@ def npu_compressor(
     else:
         pooled = op(x, w.wkv, w.wgate, state_cache, w.ape.float(), ratio, **paged)  # (T, D)
         entries = apply_rope(core.rms_norm(pooled, w.norm, eps), plan.cos, plan.sin)
-    out.index_copy_(0, plan.slots, entries.to(out.dtype))
+    if isinstance(out, Int8Rows):  # the int8 indexer's keys: rotated, then `npu_dynamic_quant` per row
+        q, scale = quant(hadamard_transform(entries.to(x.dtype)))
+        out.data.index_copy_(0, plan.slots, q)
+        out.scale.index_copy_(0, plan.slots, scale.half()[:, None])
+    else:
+        out.index_copy_(0, plan.slots, entries.to(out.dtype))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.attention.int8_index import Int8Rows
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.layers.linear import Fp8BlockWeight, Weight
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
@@ -53,7 +54,7 @@ class AttentionCache:
     state: torch.Tensor | None  # (slots, 2*coff*D) fp32 compressor state
     compressed: torch.Tensor | None  # (slots, D) compressed entries
     index_state: torch.Tensor | None  # (slots, 2*2*Di) fp32 indexer compressor state (ratio 4)
-    index_keys: torch.Tensor | None  # (slots, Di) indexer keys, at the c4 slots
+    index_keys: torch.Tensor | Int8Rows | None  # (slots, Di) indexer keys at the c4 slots (int8: rows)
 
 
 def attention_forward(
@@ -88,7 +89,7 @@ def _indexer(
     x: torch.Tensor,
     q_lora: torch.Tensor,
     w: IndexerWeights,
-    index_keys: torch.Tensor,
+    index_keys: torch.Tensor | Int8Rows,
     meta: StepMeta,
     cfg: DeepseekV4Config,
     ops: Backend,

@@ -66,6 +66,7 @@ class DeepseekV4Config:
     expert_dtype: str | None = None
     quantization: dict[str, Any] | None = field(default=None, compare=False, hash=False)
     model_type: str = "deepseek_v4"
+    index_quant: str | None = None  # the engine's `indexer_quant` (not config.json's): "int8" keys
 
     @property
     def c4_layers(self) -> tuple[int, ...]:
@@ -117,7 +118,7 @@ class DeepseekV4Config:
                     "c4",
                     "compressed",
                     4,
-                    buffers=(BufferSpec("c4", dim, c4), BufferSpec("c4_index", idim, c4)),
+                    buffers=(BufferSpec("c4", dim, c4), *self._index_buffers(idim, c4)),
                 )
             )
         if hca:
@@ -129,18 +130,28 @@ class DeepseekV4Config:
                     "state",
                     4,
                     buffers=(
-                        BufferSpec("c4_state", 4 * dim, c4, fp32=True),
-                        BufferSpec("c4_index_state", 4 * idim, c4, fp32=True),
+                        BufferSpec("c4_state", 4 * dim, c4, dtype="float32"),
+                        BufferSpec("c4_index_state", 4 * idim, c4, dtype="float32"),
                     ),
                 )
             )
         if hca:
             pools.append(
                 PoolSpec(
-                    "c128_state", "state", hca, buffers=(BufferSpec("c128_state", 2 * dim, c128, fp32=True),)
+                    "c128_state",
+                    "state",
+                    hca,
+                    buffers=(BufferSpec("c128_state", 2 * dim, c128, dtype="float32"),),
                 )
             )
         return KVLayout(tuple(pools))
+
+    def _index_buffers(self, idim: int, c4: tuple[int, ...]) -> tuple[BufferSpec, ...]:
+        """The indexer's keys at the c4 slots: in the KV dtype, or int8 rows with an fp16 scale each."""
+        if self.index_quant is None:
+            return (BufferSpec("c4_index", idim, c4),)
+        scales = BufferSpec("c4_index_scale", 1, c4, dtype="float16")
+        return (BufferSpec("c4_index", idim, c4, dtype="int8"), scales)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DeepseekV4Config:

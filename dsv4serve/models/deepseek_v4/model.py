@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4serve.attention.compressor import CompressorWeights
+from dsv4serve.attention.int8_index import Int8Rows
 from dsv4serve.attention.metadata import ForwardBatch
 from dsv4serve.attention.rope import RopeTables
 from dsv4serve.attention.step import StepMeta, StepTables
@@ -215,9 +216,10 @@ def _cache_handles(cfg: DeepseekV4Config, ctx: ModelContext) -> tuple[StepTables
     def layer(i: int, ratio: int) -> AttentionCache:
         window = flat["swa"][i]
         if ratio == 4:
-            return AttentionCache(
-                window, flat["c4_state"][i], flat["c4"][i], flat["c4_index_state"][i], flat["c4_index"][i]
-            )
+            keys = flat["c4_index"][i]
+            index_keys = keys if "c4_index_scale" not in flat else Int8Rows(keys, flat["c4_index_scale"][i])
+            state, entries = flat["c4_state"][i], flat["c4"][i]
+            return AttentionCache(window, state, entries, flat["c4_index_state"][i], index_keys)
         if ratio:
             return AttentionCache(window, flat[f"{HCA}_state"][i], flat[HCA][i], None, None)
         return AttentionCache(window, None, None, None, None)
