@@ -469,11 +469,19 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def _ranks_arguments(p: argparse.ArgumentParser) -> None:
     _engine_arguments(p)
+    p.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        help="host 0's front processes (serve's --api-server-count): each core here dials every one",
+    )
 
 
 def _run_ranks(args: argparse.Namespace) -> int:
-    """Host node_rank's tensor-parallel ranks of an engine served from host 0 (same model and flags)."""
+    """Host node_rank's share of an engine served from host 0 (same model and flags): its tensor-parallel
+    ranks, or (data parallelism over hosts) its engine cores."""
     from dsv4serve import logs
+    from dsv4serve.actors.core_process import run_host_cores
     from dsv4serve.executor.ranks import run_host
 
     engine = EngineConfig(**_engine_knobs(args))
@@ -481,7 +489,9 @@ def _run_ranks(args: argparse.Namespace) -> int:
         raise ConfigError("node_rank: `ranks` runs hosts 1 .. nnodes - 1; host 0 runs `serve`")
     _load_model_config(args.model)
     logs.configure(args.log_level)
-    return run_host(str(args.model), engine)
+    if engine.tp_spans_hosts:
+        return run_host(str(args.model), engine)
+    return run_host_cores(str(args.model), engine, args.api_server_count)
 
 
 # ---------------------------------------------------------------------------------------- commands
@@ -509,7 +519,7 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
         "demo": Command("stream a few prompts through a tiny checkpoint", _demo_arguments, _run_demo),
         "bench": Command("time prefill and decode steps of the executor core", _bench_arguments, _run_bench),
         "ranks": Command(
-            "run this host's tensor-parallel ranks of an engine served from host 0 (--node-rank 1 ..)",
+            "run this host's ranks or engine cores of an engine served from host 0 (--node-rank 1 ..)",
             _ranks_arguments,
             _run_ranks,
         ),

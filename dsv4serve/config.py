@@ -144,10 +144,12 @@ class EngineConfig:
         if self.expert_dispatch == "all_to_all" and self.tensor_parallel_size > 1:
             raise ConfigError("expert_dispatch: all_to_all needs tensor_parallel_size 1")
         if self.nnodes > 1:
-            if self.tensor_parallel_size % self.nnodes or self.data_parallel_size > 1:
+            tp, dp = self.tensor_parallel_size, self.data_parallel_size
+            if (tp % self.nnodes if dp == 1 else dp % self.nnodes) or (dp > 1 and dp < self.nnodes):
                 raise ConfigError(
-                    f"nnodes: {self.nnodes} hosts split tensor_parallel_size ({self.tensor_parallel_size}) "
-                    "evenly, with data_parallel_size 1"
+                    f"nnodes: {self.nnodes} hosts split tensor_parallel_size ({tp}) evenly with "
+                    f"data_parallel_size 1, or data_parallel_size ({dp}) evenly (each core's "
+                    "tensor-parallel ranks on its host)"
                 )
             if not 0 < self.master_port < 65535:
                 raise ConfigError(f"master_port: several hosts need a port, got {self.master_port}")
@@ -165,8 +167,23 @@ class EngineConfig:
 
     @property
     def ranks_per_node(self) -> int:
-        """Tensor-parallel ranks on each host (all of a core's on one host)."""
-        return self.tensor_parallel_size // self.nnodes
+        """Ranks on each host: the engine's tensor_parallel_size x data_parallel_size over nnodes."""
+        return self.tensor_parallel_size * self.data_parallel_size // self.nnodes
+
+    @property
+    def tp_spans_hosts(self) -> bool:
+        """Tensor parallelism over several hosts (one core; host 0 its leader, the others its ranks)."""
+        return self.nnodes > 1 and self.data_parallel_size == 1
+
+    @property
+    def host_cores(self) -> range:
+        """The data-parallel ranks whose engine cores run on this host (node_rank): every one on one host;
+        with tensor parallelism over hosts, the only core, on host 0; with data parallelism over hosts,
+        data_parallel_size / nnodes each, in order (each core's tensor-parallel ranks beside it)."""
+        if self.tp_spans_hosts:
+            return range(1 if self.node_rank == 0 else 0)
+        per = self.data_parallel_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
 
     @property
     def torch_dtype_name(self) -> str:

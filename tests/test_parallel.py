@@ -140,6 +140,94 @@ def test_ranks_on_two_hosts_give_one_process_tokens(
                 proc.kill()
 
 
+def test_data_parallel_cores_on_two_hosts_give_one_process_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DP=2 with EP=2 over two hosts (both this one): host 0's front starts core 0; host 1's
+    `dsv4serve ranks --node-rank 1` starts core 1, which dials the front with the shared token and joins
+    the experts' collectives; the tokens are one process's, and host 1 exits 0 once the engine stops.
+    A peer without the token is closed on first."""
+    from tests.test_http_cli import free_port
+
+    knobs = {"max_num_batched_tokens": 32, "max_total_tokens": 256, "page_size": 16}
+    one = _tokens(tiny_model_dir, 1, 1, 1, **knobs)[0]
+    port = free_port()
+    while port + 1 >= 65535:
+        port = free_port()
+    hosts = {"data_parallel_size": 2, "expert_parallel_size": 2, "nnodes": 2, "master_port": port, **knobs}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in hosts.items()]
+    monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "s3cret")
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", _STRANGER_CORE, str(port + 1)], env=os.environ | {"DSV4SERVE_RANK_TOKEN": "no"}
+    )
+    argv = [sys.executable, "-m", "dsv4serve", "ranks", "--model", str(tiny_model_dir), "--node-rank", "1"]
+    host1 = subprocess.Popen([*argv, *flags])  # loads, then dials: after the stranger, already dialing
+    try:
+        assert _tokens(tiny_model_dir, 1, 2, 2, nnodes=2, master_port=port, **knobs)[0] == one
+        assert stranger.wait(timeout=60) == 0  # refused: closed on
+        assert host1.wait(timeout=60) == 0  # its core drained once the front closed
+    finally:
+        for proc in (stranger, host1):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_serve_http_with_two_fronts_and_a_core_on_another_host(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve --http --api-server-count 2` with DP=2 + EP=2 over two hosts: host 1's core dials both
+    fronts (front f on master_port + 1 + f), every answer is one process's, and both hosts exit 0 after
+    SIGTERM."""
+    import httpx
+
+    from tests.test_http_cli import free_port
+
+    prompts = _prompts(1)[1:5]
+    with Engine(tiny_model_dir, max_total_tokens=4096) as engine:
+        want = [c.text for c in engine.generate(prompts, GREEDY)]
+    port, master = free_port(), free_port()
+    while master + 2 >= 65535:
+        master = free_port()
+    monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "s3cret")
+    flags = ["--data-parallel-size", "2", "--expert-parallel-size", "2", "--nnodes", "2"]
+    flags += ["--master-port", str(master), "--max-total-tokens", "4096", "--api-server-count", "2"]
+    run = [sys.executable, "-m", "dsv4serve"]
+    host1 = subprocess.Popen([*run, "ranks", "--model", str(tiny_model_dir), "--node-rank", "1", *flags])
+    serve = [*run, "serve", "--http", "--model", str(tiny_model_dir), "--port", str(port), *flags]
+    server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        for prompt, text in zip(prompts, want, strict=True):
+            body = {"model": tiny_model_dir.name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+            got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+            assert got["choices"][0]["text"] == text
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        assert host1.wait(timeout=60) == 0
+    finally:
+        for proc in (server, host1):
+            if proc.poll() is None:
+                proc.kill()
+
+
+# dials host 0's front as core 1 with this environment's token; exits 0 once refused (closed)
+_STRANGER_CORE = """
+import os, sys
+from dsv4serve.actors.core_process import hello_frame
+from dsv4serve.executor.ranks import dial
+sock = dial("127.0.0.1", int(sys.argv[1]))
+sock.sendall(hello_frame(1))
+sys.exit(0 if sock.recv(1) == b"" else 1)
+"""
+
+
 # connects to host 0's rank port as rank 1 with this environment's token; exits 0 once refused (closed)
 _STRANGER = """
 import json, os, socket, sys, time
@@ -165,7 +253,11 @@ def test_several_hosts_are_checked() -> None:
     with pytest.raises(ConfigError, match="nnodes"):
         EngineConfig(tensor_parallel_size=3, nnodes=2, master_port=5000)
     with pytest.raises(ConfigError, match="nnodes"):
-        EngineConfig(tensor_parallel_size=2, data_parallel_size=2, nnodes=2, master_port=5000)
+        EngineConfig(tensor_parallel_size=2, data_parallel_size=3, nnodes=2, master_port=5000)
+    with pytest.raises(ConfigError, match="nnodes"):
+        EngineConfig(data_parallel_size=2, nnodes=4, master_port=5000)
+    four = EngineConfig(tensor_parallel_size=2, data_parallel_size=4, nnodes=2, master_port=5000, node_rank=1)
+    assert (four.host_cores, four.ranks_per_node, four.tp_spans_hosts) == (range(2, 4), 4, False)
     with pytest.raises(ConfigError, match="master_port"):
         EngineConfig(tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ConfigError, match="node_rank"):

@@ -17,6 +17,11 @@ holds, frees their memory, drains and exits. Signals go to the front (the core r
 and ignores SIGINT, SIGTERM and SIGHUP): SIGTERM's drain crosses as the tokenizer's Drain.
 
     python -m dsv4serve.actors.core_process FD OPTIONS_JSON   (started by `run_front`, not by hand)
+
+With data parallelism over hosts (`nnodes` > 1, `data_parallel_size` > 1), host 0's fronts start its
+own cores; each other host's `dsv4serve ranks` starts that host's cores (`run_host_cores`), which dial
+every front (front f on master_port + 1 + f) and open each connection with a hello frame (dp_rank,
+the hosts' shared token); the frames are then the same over TCP.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -47,7 +54,7 @@ from dsv4serve.actors.system import (
     start_engine_actors,
 )
 from dsv4serve.config import EngineConfig
-from dsv4serve.executor.ranks import Place
+from dsv4serve.executor.ranks import RANK_TOKEN_ENV, Place, dial
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.protocol import (
     CancelRequest,
@@ -112,6 +119,12 @@ class Frames:
         self._decoder = msgspec.msgpack.Decoder(list[incoming])
         self._buffer = bytearray()
 
+    def retyped(self, incoming: Any) -> Frames:
+        """The same stream, the frames after those read so far decoded as `incoming` (after a hello)."""
+        frames = Frames(self.stream, incoming)
+        frames._buffer = self._buffer
+        return frames
+
     async def send(self, messages: list[Any]) -> None:
         """One frame, or (a batch over SPLIT_FRAME_BYTES) several, each message whole and in order."""
         payload = self._encoder.encode(messages)
@@ -171,12 +184,70 @@ def _nowait(outbox: trio.MemoryReceiveChannel[Any]) -> list[Any]:
 
 
 def main(argv: list[str]) -> int:
-    fds, options = [int(fd) for fd in argv[0].split(",")], msgspec.json.decode(argv[1], type=CoreOptions)
+    """argv: the descriptors of the core's ends ("FD,FD,..", one per front), or "connect:N" (a core on
+    another host, dialing host 0's N fronts), then the CoreOptions JSON."""
+    options = msgspec.json.decode(argv[1], type=CoreOptions)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the front's (a service manager
         signal.signal(signum, signal.SIG_IGN)  # signals the whole group): it drains us over the socket
     logs.configure(options.log_level, stream=sys.stderr)
-    trio.run(_core_main, [socket.socket(fileno=fd) for fd in fds], options)
+    if argv[0].startswith("connect:"):  # dialed once loaded (ranks joined): no idle links meanwhile
+        links = partial(connect_to_fronts, options, int(argv[0].removeprefix("connect:")))
+    else:
+        socks = [socket.socket(fileno=int(fd)) for fd in argv[0].split(",")]
+        for sock in socks:
+            sock.set_inheritable(False)  # a child of ours holding it would hide our death from the front
+        links = partial(list, socks)
+    trio.run(_core_main, links, options)
     return 0
+
+
+# ---------------------------------------------------------------- cores on other hosts
+
+FRONT_PORT = 1  # front f of host 0 takes the other hosts' cores on master_port + FRONT_PORT + f
+
+
+def hello_frame(dp_rank: int) -> bytes:
+    """What a core on another host sends first on each connection: its rank and the hosts' token."""
+    payload = msgspec.msgpack.encode([{"dp_rank": dp_rank, "token": os.environ.get(RANK_TOKEN_ENV, "")}])
+    return _HEADER.pack(len(payload)) + payload
+
+
+def connect_to_fronts(options: CoreOptions, num_fronts: int) -> list[socket.socket]:
+    """A core on another host (data parallelism over hosts): its connection to each front of host 0,
+    in front order, each opened with its hello."""
+    engine = EngineConfig(**options.engine)
+    socks = []
+    for front in range(num_fronts):
+        sock = dial(engine.master_addr, engine.master_port + FRONT_PORT + front)
+        sock.sendall(hello_frame(options.dp_rank))
+        socks.append(sock)
+    return socks
+
+
+def run_host_cores(model_dir: str, engine: EngineConfig, num_fronts: int) -> int:
+    """`dsv4serve ranks` with data parallelism over hosts: this host's engine cores (`host_cores`, each
+    with its tensor-parallel ranks), each dialing every front of host 0; returns once they all ended
+    (0 if each did cleanly: a core ends when host 0's fronts close)."""
+    system = SystemOptions(Path(model_dir), engine)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "dsv4serve.actors.core_process", f"connect:{num_fronts}",
+                msgspec.json.encode(CoreOptions.of(system, dp_rank=d, port=engine.master_port)).decode(),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr.fileno(),
+        )
+        for d in engine.host_cores
+    ]  # fmt: skip
+    try:
+        codes = [proc.wait() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return max((abs(c) for c in codes), default=0)
 
 
 @dataclass(eq=False)
@@ -205,15 +276,16 @@ class _Fronts:
         return due
 
 
-async def _core_main(socks: list[socket.socket], options: CoreOptions) -> None:
+async def _core_main(links: Callable[[], list[socket.socket]], options: CoreOptions) -> None:
+    """The core: load (its ranks joined), take its links to the fronts, serve until every front has
+    drained or gone."""
     log = structlog.get_logger().bind(actor="core")
-    for sock in socks:
-        sock.set_inheritable(False)  # a child of ours holding it would hide our death from the front
-    streams = [trio.SocketStream(trio.socket.from_stdlib_socket(sock)) for sock in socks]
-    fronts = _Fronts([_Front(i, Frames(stream, FrontToCore)) for i, stream in enumerate(streams)])
     system = options.system()
     place = None if options.port is None else Place(options.dp_rank, 0, options.port)
     runner = await trio.to_thread.run_sync(partial(ModelRunner, system.model_dir, system.engine, place=place))
+    socks = await trio.to_thread.run_sync(links)
+    streams = [trio.SocketStream(trio.socket.from_stdlib_socket(sock)) for sock in socks]
+    fronts = _Fronts([_Front(i, Frames(stream, FrontToCore)) for i, stream in enumerate(streams)])
     device = device_parts(runner)
     allocator = device[0]
     kv = {"max_total_tokens": runner.engine.kv_tokens, "max_model_len": allocator.max_model_len}

@@ -16,6 +16,8 @@ front then runs as here, attached to cores it did not start (`run_front(attach=.
 from __future__ import annotations
 
 import contextlib
+import hmac
+import os
 import socket
 import subprocess
 import sys
@@ -28,7 +30,7 @@ import msgspec
 import structlog
 import trio
 
-from dsv4serve.actors.core_process import EXIT_WAIT_S, CoreOptions, Frames, take_waiting
+from dsv4serve.actors.core_process import EXIT_WAIT_S, FRONT_PORT, CoreOptions, Frames, take_waiting
 from dsv4serve.actors.scheduler import SchedulerGauges
 from dsv4serve.actors.system import (
     EngineCoreDied,
@@ -39,7 +41,8 @@ from dsv4serve.actors.system import (
     run_system,
 )
 from dsv4serve.actors.tokenizer_core import encode_prompt, load_tokenizer, max_token_chars
-from dsv4serve.executor.ranks import free_port
+from dsv4serve.config import ConfigError, EngineConfig
+from dsv4serve.executor.ranks import HELLO_WAIT_S, RANK_TOKEN_ENV, READY_TIMEOUT_S, free_port
 from dsv4serve.models.registry import config_from_dir, spec_for
 from dsv4serve.protocol import (
     CoreReady,
@@ -62,12 +65,15 @@ async def run_engine(
     *,
     links: FrontLinks | None = None,
     attach: Sequence[socket.socket] = (),
+    index: int = 0,
     task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The engine every front door runs: in this process, or (`options.core_process`) with its core in
-    a process of its own; returns after drain or shutdown. `links` and `attach`: see `run_front`."""
-    if options.core_process or attach:
-        await run_front(options, links=links, attach=attach, task_status=task_status)
+    a process of its own; returns after drain or shutdown. `links`, `attach`, `index`: see `run_front`."""
+    if options.engine.node_rank:
+        raise ConfigError("node_rank: host 0 serves the engine; the other hosts run `dsv4serve ranks`")
+    if options.core_process or attach or index:
+        await run_front(options, links=links, attach=attach, index=index, task_status=task_status)
     else:
         await run_system(options, task_status=task_status)
 
@@ -145,27 +151,30 @@ async def run_front(
     *,
     links: FrontLinks | None = None,
     attach: Sequence[socket.socket] = (),
+    index: int = 0,
     task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start the engine-core processes (one, or one per data-parallel rank), then run the handle and
-    the tokenizer against them. With `links`, the cores are started with one socket per front and this
-    front uses `links.fronts[0]`; with `attach` (one socket per core, from the first front), no core is
-    started: this is another front of cores that run already."""
+    """Start this host's engine-core processes (one, or one per data-parallel rank), then run the
+    handle and the tokenizer against them. With `links`, the cores are started with one socket per
+    front and this front uses `links.fronts[0]`; with `attach` (one socket per core of this host, from
+    the first front), no core is started: this is front `index` of cores that run already. With data
+    parallelism over hosts, the other hosts' cores dial this front (`_accept_cores`)."""
     if options.prebuilt is not None:
         raise ValueError("core_process: a prebuilt model cannot cross into the engine-core process")
     log = structlog.get_logger().bind(actor="system")
     model = config_from_dir(options.model_dir)
     bos = spec_for(model.model_type).prompt_bos
     tok = await trio.to_thread.run_sync(lambda: load_tokenizer(options.model_dir, require_bos=bos))
-    num = len(attach) or options.engine.data_parallel_size
-    port = free_port() if num > 1 and not attach else None
+    engine = options.engine
+    num, here = engine.data_parallel_size, engine.host_cores
+    port = (engine.master_port if engine.nnodes > 1 else free_port()) if num > 1 and not attach else None
     cores: list[_Core] = [_Core(None, Frames(_stream(sock), CoreToFront)) for sock in attach]
-    links = links or FrontLinks.make(1, 0 if attach else num)  # one front: a socket pair per core
+    links = links or FrontLinks.make(1, 0 if attach else len(here))  # one front: a socket pair per core
     try:
-        for dp_rank in range(0 if attach else num):
-            cores.append(
-                await _start_core(options, dp_rank, port, links.fronts[0][dp_rank], links.cores[dp_rank])
-            )
+        for i, dp_rank in enumerate(() if attach else here):
+            cores.append(await _start_core(options, dp_rank, port, links.fronts[0][i], links.cores[i]))
+        if len(here) < num:
+            cores += await _accept_cores(engine, index, [d for d in range(num) if d not in here])
         ready = await _ready(cores)
         log.info(
             "loaded",
@@ -266,6 +275,42 @@ async def _start_core(
         for sock in core_socks:
             sock.close()
     return _Core(process, Frames(_stream(front_sock), CoreToFront))
+
+
+async def _accept_cores(engine: EngineConfig, front: int, dp_ranks: list[int]) -> list[_Core]:
+    """The other hosts' engine cores (data parallelism over hosts), in `dp_ranks` order, as each dials
+    this front on master_port + FRONT_PORT + `front` (IPv4, as the ranks' port) and says its hello:
+    its dp_rank and the hosts' token (RANK_TOKEN_ENV). A peer without the token, or silent for
+    HELLO_WAIT_S, is closed on; EngineCoreDied if they are not all there within READY_TIMEOUT_S."""
+    token = os.environ.get(RANK_TOKEN_ENV, "").encode()
+    got: dict[int, Frames] = {}
+    listeners = await trio.open_tcp_listeners(engine.master_port + FRONT_PORT + front, host="0.0.0.0")
+    try:
+        with trio.move_on_after(READY_TIMEOUT_S):
+            while len(got) < len(dp_ranks):
+                stream = await listeners[0].accept()
+                hello_frames = Frames(stream, dict[str, Any])
+                hello = None
+                with trio.move_on_after(HELLO_WAIT_S), contextlib.suppress(msgspec.DecodeError, ValueError):
+                    hello = await hello_frames.receive()  # (a stranger's bytes: no hello)
+                said = hello[0] if hello else {}
+                rank = said.get("dp_rank")
+                if not hmac.compare_digest(str(said.get("token")).encode(), token) or rank not in dp_ranks:
+                    await stream.aclose()
+                    continue
+                if rank in got:
+                    await stream.aclose()
+                    raise EngineCoreDied(f"two engine cores dialed front {front} as core {rank}")
+                got[rank] = hello_frames.retyped(CoreToFront)
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+    missing = [d for d in dp_ranks if d not in got]
+    if missing:
+        for frames in got.values():
+            await frames.stream.aclose()
+        raise EngineCoreDied(f"the engine cores {missing} of the other hosts never dialed front {front}")
+    return [_Core(None, got[d]) for d in dp_ranks]
 
 
 def _pools(cores: list[_Core]) -> dict[str, tuple[int, int]]:

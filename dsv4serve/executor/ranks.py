@@ -287,22 +287,23 @@ class Followers:
 
     @classmethod
     def start(cls, model_dir: str, engine: EngineConfig, leader: Place) -> Followers:
-        """Start the leader's core's ranks on this host, 1 .. ranks_per_node - 1 (`rank_process.py`);
+        """Start the leader's core's ranks on this host, 1 .. (its ranks here) - 1 (`rank_process.py`);
         they load their shares while the leader loads its own. Each runs in a session of its own: a
         terminal's Ctrl-C reaches the leader only, which stops them. With several hosts, the others'
         ranks connect to master_port + 1 once loaded (`wait_ready` takes them)."""
         procs: list[subprocess.Popen[bytes] | Remote] = []
         conns: list[Connection] = []
-        for rank in range(1, engine.ranks_per_node):
+        here = engine.ranks_per_node if engine.tp_spans_hosts else engine.tensor_parallel_size
+        for rank in range(1, here):
             ours, theirs = socket.socketpair()
             with theirs:
                 procs.append(spawn_rank(model_dir, engine, dataclasses.replace(leader, tp_rank=rank), theirs))
             conns.append(Connection(ours.detach()))
         listener = None
-        if engine.nnodes > 1:
+        if engine.tp_spans_hosts:
             listener = socket.create_server(("", engine.master_port + 1), reuse_port=False)
             listener.settimeout(READY_TIMEOUT_S)
-            remote = engine.tensor_parallel_size - engine.ranks_per_node
+            remote = engine.tensor_parallel_size - here
             procs += [Remote() for _ in range(remote)]
         return cls(procs, conns, listener)
 
@@ -428,26 +429,31 @@ HELLO_WAIT_S = 30  # for a peer that connected to say which rank it is
 RANK_TOKEN_ENV = "DSV4SERVE_RANK_TOKEN"  # the same on every host: a rank that does not send it is refused
 
 
-def connect_to_leader(engine: EngineConfig, place: Place) -> Connection:
-    """Another host's rank, loaded: its connection to the leader (rank id and token first)."""
+def dial(host: str, port: int) -> socket.socket:
+    """A connection to host 0 (a port it may not listen on yet: tried again for READY_TIMEOUT_S)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         try:
-            sock = socket.create_connection((engine.master_addr, engine.master_port + 1), timeout=10)
+            sock = socket.create_connection((host, port), timeout=10)
             break
         except OSError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
     sock.settimeout(None)
-    conn = Connection(sock.detach())
+    return sock
+
+
+def connect_to_leader(engine: EngineConfig, place: Place) -> Connection:
+    """Another host's rank, loaded: its connection to the leader (rank id and token first)."""
+    conn = Connection(dial(engine.master_addr, engine.master_port + 1).detach())
     conn.send_bytes(msgspec.json.encode({"rank": place.tp_rank, "token": os.environ.get(RANK_TOKEN_ENV, "")}))
     return conn
 
 
 def run_host(model_dir: str, engine: EngineConfig) -> int:
-    """`dsv4serve ranks`: this host's ranks of an engine whose leader runs on host 0 (node_rank 1 ..);
-    returns once they all ended (0 if each did cleanly)."""
+    """`dsv4serve ranks` with tensor parallelism over hosts: this host's ranks of the core whose leader
+    runs on host 0 (node_rank 1 ..); returns once they all ended (0 if each did cleanly)."""
     first = engine.node_rank * engine.ranks_per_node
     procs = [
         spawn_rank(model_dir, engine, Place(0, rank, engine.master_port), None)

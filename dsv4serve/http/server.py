@@ -97,6 +97,7 @@ class _Front:
     links: FrontLinks | None = None
     attach: tuple[socket.socket, ...] = ()
     parent_pid: int | None = None  # the first front's, in the others (whose death drains them)
+    index: int = 0  # this front's (0: the first)
 
 
 async def serve_http(
@@ -109,7 +110,11 @@ async def serve_http(
     """Serve until drained (see the module docstring); the engine stops with it."""
     log = structlog.get_logger().bind(actor="http")
     async with trio.open_nursery() as nursery:
-        engine = run_engine if front is None else partial(run_engine, links=front.links, attach=front.attach)
+        engine = (
+            run_engine
+            if front is None
+            else partial(run_engine, links=front.links, attach=front.attach, index=front.index)
+        )
         handle: EngineHandle = await nursery.start(engine, options)
         app_options = AppOptions(
             model_name=http.model_name or options.model_dir.name,
@@ -216,7 +221,7 @@ async def _main_of_fronts(options: SystemOptions, http: HttpOptions) -> None:
         raise ValueError("api_server_count > 1 needs the engine core in a process of its own")
     structlog.contextvars.bind_contextvars(front=0)
     listener = _listen(http.host, http.port)
-    links = FrontLinks.make(http.api_server_count, options.engine.data_parallel_size)
+    links = FrontLinks.make(http.api_server_count, len(options.engine.host_cores))
     others: list[trio.Process] = []
     try:
         for index in range(1, http.api_server_count):
@@ -296,7 +301,9 @@ def front_main() -> int:
     attach = tuple(socket.socket(fileno=fd) for fd in given.core_fds)
     http = HttpOptions(**given.http)
     return run(
-        given.engine.system(), http, _Front(given.listen_fd, attach=attach, parent_pid=given.parent_pid)
+        given.engine.system(),
+        http,
+        _Front(given.listen_fd, attach=attach, parent_pid=given.parent_pid, index=given.index),
     )
 
 
