@@ -331,3 +331,17 @@ def test_a_front_killed_loses_only_its_streams_and_the_server_goes_on(tiny_model
         assert len(broken) == cancelled, [s[-1] for s in lines]
         stopped = srv.wait_for(lambda e: e.get("actor") == "core" and e.get("event") == "stopped", 10)
         assert stopped is not None and not any(stopped["pools_used"].values()), stopped
+
+
+def test_a_core_of_several_fronts_sizes_its_inboxes_for_all_of_them() -> None:
+    """Each front's handle caps its own live requests (max_waiting + max_num_seqs): a core serving three
+    fronts holds up to three times as many, and its scheduler's inbox is sized for all of them (at most 3
+    messages per live request plus 2 per in-flight step: the deadlock rule of actors/system.py)."""
+    from dsv4serve.actors.system import SystemOptions, channel_sizes
+    from dsv4serve.config import EngineConfig
+
+    options = SystemOptions(Path("."), EngineConfig(max_num_seqs=8), max_waiting=16)
+    sched1, (tok3, sched3) = channel_sizes(options)[1], channel_sizes(options, fronts=3)
+    live = 3 * (16 + 8)
+    assert sched3 >= 3 * live + 2 * options.max_inflight_steps and tok3 >= 2 * live
+    assert sched1 < 3 * live

@@ -297,7 +297,7 @@ async def _core_main(links: Callable[[], list[socket.socket]], options: CoreOpti
         fronts=len(socks),
         **kv,
     )
-    tokenizer_size, scheduler_size = channel_sizes(system)
+    tokenizer_size, scheduler_size = channel_sizes(system, fronts=len(socks))
     to_scheduler, scheduler_inbox = trio.open_memory_channel[SchedulerMsg](scheduler_size)
     to_front, outbox = trio.open_memory_channel[TokenizerMsg](tokenizer_size)
     gauges = SchedulerGauges()

@@ -329,9 +329,11 @@ async def run_system(
         runner.close()  # the other ranks, under tensor parallelism
 
 
-def channel_sizes(options: SystemOptions) -> tuple[int, int]:
-    """The tokenizer's and the scheduler's inbox capacities (the module docstring's rule)."""
-    max_live, k = options.max_waiting + options.engine.max_num_seqs, options.max_inflight_steps
+def channel_sizes(options: SystemOptions, fronts: int = 1) -> tuple[int, int]:
+    """The tokenizer's and the scheduler's inbox capacities (the module docstring's rule); an engine
+    core serving several front processes holds the live requests of each one's handle."""
+    max_live = fronts * (options.max_waiting + options.engine.max_num_seqs)
+    k = options.max_inflight_steps
     return 2 * max_live + 64, 4 * max_live + 4 * k + 64
 
 
