@@ -10,6 +10,7 @@ import contextlib
 import sys
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -650,6 +651,26 @@ def fake_lightning_indexer(
     return out, torch.empty(0)
 
 
+FIA = "npu_fused_infer_attention_score"
+
+
+def fake_fia_out(
+    *args: Any, workspace: torch.Tensor, out: list[torch.Tensor], **kwargs: Any
+) -> list[torch.Tensor]:
+    """`npu_fused_infer_attention_score.out`: the op, its result written into `out` ([attention_out,
+    softmax_lse]) given a workspace from `_npu_fused_infer_attention_score_get_max_workspace`."""
+    assert isinstance(workspace, torch.Tensor) and len(out) == 2
+    got, _ = fake_fused_infer_attention_score(*args, **kwargs)
+    assert got.shape == out[0].shape and got.dtype == out[0].dtype, (got.shape, out[0].shape)
+    out[0].copy_(got)
+    return out
+
+
+def fake_fia_workspace(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """`_npu_fused_infer_attention_score_get_max_workspace`: the op's workspace for these arguments."""
+    return torch.empty(1 << 10, dtype=torch.uint8)
+
+
 MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 MASK_SIDE = 2048
 
@@ -904,9 +925,61 @@ class _FakeStream:
         pass
 
 
+@dataclass
+class _TaskGroup:
+    """A task group of a capture (`graph_task_group_end`'s handle): the nodes it recorded."""
+
+    nodes: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]
+    start: int
+    end: int
+
+    def update(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An op re-issued inside `graph_task_update_begin` / `_end`: its captured task takes the new
+        arguments (it writes the same outputs) for the replays after."""
+        for i in range(self.start, self.end):
+            func, _, _, out = self.nodes[i]
+            if func is fn:
+                self.nodes[i] = (fn, args, kwargs, out)
+                return out
+        raise AssertionError("a task update re-issued an op its group did not capture")
+
+
+_GROUP_STARTS: list[int] = []  # the open task group's first node, in the capture under way
+_UPDATING: list[_TaskGroup] = []  # the task group being updated, if any
+
+
+def fake_task_group_begin(stream: Any) -> None:
+    """`torch.npu.graph_task_group_begin(stream)`: the ops issued until `_end` form one task group."""
+    assert _RECORDING and not _GROUP_STARTS, "a task group opens inside a capture, one at a time"
+    _GROUP_STARTS.append(len(_RECORDING[-1].nodes))
+
+
+def fake_task_group_end(stream: Any) -> _TaskGroup:
+    start, nodes = _GROUP_STARTS.pop(), _RECORDING[-1].nodes
+    assert len(nodes) > start, "an empty task group"
+    return _TaskGroup(nodes, start, len(nodes))
+
+
+def fake_task_update_begin(stream: Any, handle: _TaskGroup) -> None:
+    """`torch.npu.graph_task_update_begin(stream, handle)`: the ops issued until `_end` give the group's
+    tasks their new arguments (outside any capture)."""
+    assert isinstance(handle, _TaskGroup) and not _RECORDING and not _UPDATING
+    _UPDATING.append(handle)
+
+
+def fake_task_update_end(stream: Any) -> None:
+    assert _UPDATING, "graph_task_update_end without a begin"
+    _UPDATING.pop()
+
+
 def fake_runtime() -> types.ModuleType:
-    """The fake's `torch_npu.npu` module (torch.npu): graphs and streams (one stream: the CPU's)."""
+    """The fake's `torch_npu.npu` module (torch.npu): graphs, their task groups and updates, and streams
+    (one stream: the CPU's)."""
     rt = types.ModuleType("torch_npu.npu")
+    rt.graph_task_group_begin = fake_task_group_begin  # type: ignore[attr-defined]
+    rt.graph_task_group_end = fake_task_group_end  # type: ignore[attr-defined]
+    rt.graph_task_update_begin = fake_task_update_begin  # type: ignore[attr-defined]
+    rt.graph_task_update_end = fake_task_update_end  # type: ignore[attr-defined]
     rt.NPUGraph = FakeNPUGraph  # type: ignore[attr-defined]
     rt.graph = fake_graph  # type: ignore[attr-defined]
     rt.graph_pool_handle = object  # type: ignore[attr-defined]
@@ -914,6 +987,25 @@ def fake_runtime() -> types.ModuleType:
     rt.current_stream = _FakeStream  # type: ignore[attr-defined]
     rt.stream = lambda s: contextlib.nullcontext()  # type: ignore[attr-defined]
     return rt
+
+
+def _counted(name: str, fn: Any, calls: dict[str, int]) -> Any:
+    """`fn` as the fake installs it: counted under `name`; inside a graph capture recorded as one node
+    (the op's own steps are the device's business); inside a task update, the new arguments of the
+    node its task group captured (not run)."""
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[name] += 1
+        if _UPDATING:
+            return _UPDATING[-1].update(fn, args, kwargs)
+        if not _RECORDING:
+            return fn(*args, **kwargs)
+        with _disable_current_modes():
+            out = fn(*args, **kwargs)
+        _RECORDING[-1].nodes.append((fn, args, kwargs, out))
+        return out
+
+    return counted
 
 
 def install(
@@ -939,15 +1031,10 @@ def install(
         if name in skip:
             continue
 
-        def counted(*args, _name=name, _fn=fn, **kwargs):  # type: ignore[no-untyped-def]
-            calls[_name] += 1
-            if not _RECORDING:
-                return _fn(*args, **kwargs)
-            with _disable_current_modes():  # one node: the op's own steps are the device's business
-                out = _fn(*args, **kwargs)
-            _RECORDING[-1].nodes.append((_fn, args, kwargs, out))
-            return out
-
+        counted = _counted(name, fn, calls)
+        if name == FIA:  # its `.out` form and workspace query (graph captures re-issue it)
+            counted.out = _counted(name, fake_fia_out, calls)  # type: ignore[attr-defined]
+            module._npu_fused_infer_attention_score_get_max_workspace = fake_fia_workspace  # type: ignore[attr-defined]
         target = library if name in CUSTOM else newer if name in NEWER else module
         setattr(target, name.rsplit(".", 1)[-1], counted)
     module.npu = fake_runtime()  # type: ignore[attr-defined]

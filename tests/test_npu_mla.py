@@ -163,8 +163,8 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
     """A tiny GLM (dense layers) at FIA's latent (512 + 64; 20 heads, padded to 32) in bf16 through the
     executor on the npu backend (chunked prefills mixed with decodes, pages of 16): the reference
     backend's greedy tokens, its logits within bf16's rounding. With graphs, decode steps are captured
-    over the fake's NPUGraph and replayed; a captured step has no spans, so its attention takes the
-    reference (no host sync inside the capture)."""
+    over the fake's NPUGraph and replayed, FIA in each layer recorded as a task group that every replay
+    first re-issues with the step's lengths (no host sync inside the capture)."""
     from dsv4serve.backends.npu.graphs import NpuGraphs
 
     calls = install(monkeypatch)
@@ -190,6 +190,10 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
     assert calls[OP] > 0
     if graphs:
         assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"
+        captured = [g.graph for g in runner.graphs.graphs.values()]
+        layers = runner.model_cfg.num_layers
+        assert all(len(g.updates) == layers for g in captured), "FIA in each layer of each graph"  # type: ignore[union-attr]
+        assert sum(g.graph.replays for g in captured) > 0  # type: ignore[union-attr]
 
 
 def test_the_fakes_fia_is_attention_as_documented() -> None:

@@ -17,7 +17,7 @@ the npu backend maps onto them one to one.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Protocol, TypeVar
@@ -248,11 +248,13 @@ class Stager(Protocol):
 
 class Graph(Protocol):
     """One step captured on the device: `capture(step)` runs it once to warm up, records it and returns
-    its outputs (static: rewritten by every replay); `replay` runs it again on the same inputs."""
+    its outputs (static: rewritten by every replay); `replay` runs it again on the same inputs, given
+    the step's requests' lengths (None: the last replay's) for a graph whose ops take host lengths
+    (the npu backend's FIA re-issues them before each replay)."""
 
     def capture(self, step: Callable[[], T]) -> T: ...
 
-    def replay(self) -> None: ...
+    def replay(self, seq_lens: Sequence[int] | None = None) -> None: ...
 
 
 class Graphs(Protocol):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -46,5 +46,5 @@ class CudaGraph:
             out = step()
         return out
 
-    def replay(self) -> None:
-        self.graph.replay()
+    def replay(self, seq_lens: Sequence[int] | None = None) -> None:
+        self.graph.replay()  # (its kernels read the lengths from the step's device words)

@@ -8,7 +8,7 @@ step's ops and runs them again on replay.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
@@ -36,12 +36,26 @@ class NpuGraphs:
         return NpuGraph(self.npu, device, self.pools[device])
 
 
+Update = Callable[[Sequence[int]], None]
+_CAPTURING: list[NpuGraph] = []  # the graph whose capture is under way, if any
+
+
+def capturing() -> NpuGraph | None:
+    """The NpuGraph recording the current step (an op that takes host lengths registers its update)."""
+    return _CAPTURING[-1] if _CAPTURING else None
+
+
 class NpuGraph:
-    """One step recorded on `device`, in memory pool `pool`."""
+    """One step recorded on `device`, in memory pool `pool`. An op whose lengths are host lists (FIA's
+    `actual_seq_lengths_kv`) frozen at capture is recorded in a task group and registers an update
+    (`updates`): before each replay it re-issues the op with the step's lengths inside
+    `graph_task_update_begin` / `_end` (torch_npu's aclgraph task update, as vllm-ascend's full graphs)."""
 
     def __init__(self, npu: ModuleType, device: torch.device, pool: Any) -> None:
         self.runtime, self.device, self.pool = npu.npu, device, pool
         self.graph = self.runtime.NPUGraph()
+        self.updates: list[Update] = []
+        self.seq_lens: list[int] = []
 
     def capture(self, step: Callable[[], T]) -> T:
         rt, device = self.runtime, self.device
@@ -51,8 +65,16 @@ class NpuGraph:
             step()
         rt.current_stream(device).wait_stream(side)
         with rt.graph(self.graph, pool=self.pool):
-            out = step()
+            _CAPTURING.append(self)
+            try:
+                out = step()
+            finally:
+                _CAPTURING.pop()
         return out
 
-    def replay(self) -> None:
+    def replay(self, seq_lens: Sequence[int] | None = None) -> None:
+        if seq_lens is not None:
+            self.seq_lens = list(seq_lens)
+        for update in self.updates:
+            update(self.seq_lens)
         self.graph.replay()

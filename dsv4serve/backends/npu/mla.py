@@ -26,16 +26,19 @@ heads 1, 2, 4, ..., 128; sparse_mode 0, 3 or 4; paged K / V with a block size a 
   `actual_seq_lengths_kv` their context lengths (per request under PageAttention), sparse_mode 3
   (right-down causal: query i of a request's S1 sees keys j <= S2 - S1 + i, the engine's "position p
   sees 0..p") with its 2048 x 2048 mask, True above the diagonal.
-- Lengths are host lists (the op's SymInt[]) from the step's spans. A captured step has no spans, and
-  FIA's host lengths freeze at capture (vllm-ascend re-issues the op before each replay with
-  `graph_task_update`; not done here): it takes the reference, as does any call outside the limits
-  above (fp32, the tiny test shapes). `scale` is passed explicitly (the op's default is 1.0).
+- Lengths are host lists (the op's SymInt[]) from the step's spans. A captured decode step has no
+  spans, and FIA's host lengths would freeze at capture: it gathers every request's pages up to the
+  context bucket (static shapes), calls the op's `.out` form (a workspace from
+  `_npu_fused_infer_attention_score_get_max_workspace`) inside a task group, and before each replay
+  re-issues it with the step's lengths inside `graph_task_update_begin` / `_end` (`NpuGraph.updates`,
+  as vllm-ascend's full graphs do). Without those APIs, and for any call outside the limits above
+  (fp32, the tiny test shapes): the reference. `scale` is passed explicitly (the op's default is 1.0).
 **Never run on an Ascend NPU.**
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 
 from dsv4serve.attention.mla import MlaDims, MlaMeta, absorbed
 from dsv4serve.backends.npu.attention import PerStep
+from dsv4serve.backends.npu.graphs import NpuGraph, capturing
 
 LATENT, ROPE, BLOCK, MASK = 512, 64, 128, 2048
 HEADS = (8, 16, 32, 64, 128)  # the query heads FIA is given (1, 2 and 4 padded to 8)
@@ -56,17 +60,25 @@ def fia_heads(heads: int) -> int | None:
     return next((n for n in HEADS if n >= heads), None)
 
 
-def supported(q: torch.Tensor, cache: torch.Tensor, meta: MlaMeta, dims: MlaDims) -> bool:
-    spans = meta.spans
+def fits(q: torch.Tensor, cache: torch.Tensor, dims: MlaDims) -> bool:
+    """Within FIA's MLA limits: dtype, latent + rope widths, heads."""
     return (
-        spans is not None
-        and 0 < len(spans) <= MAX_BATCH
-        and q.shape[0] > 0
+        q.shape[0] > 0
         and q.dtype in (torch.float16, torch.bfloat16)
         and cache.dtype == q.dtype
         and dims.kv_lora_rank == LATENT
         and dims.qk_rope_head_dim == ROPE
         and fia_heads(dims.num_heads) is not None
+    )
+
+
+def supported(q: torch.Tensor, cache: torch.Tensor, meta: MlaMeta, dims: MlaDims) -> bool:
+    """An eager step FIA takes (its spans host-known)."""
+    spans = meta.spans
+    return (
+        spans is not None
+        and 0 < len(spans) <= MAX_BATCH
+        and fits(q, cache, dims)
         and max(n for _, _, n in spans) <= MAX_DECODE_KV
     )
 
@@ -100,6 +112,17 @@ class PagedContext:
             decodes_only=all(count == 1 for _, count, _ in spans),
         )
 
+    @classmethod
+    def whole(cls, meta: MlaMeta) -> PagedContext:
+        """A captured decode step (shapes fixed by its batch and context buckets): every request's pages
+        up to the bucket, in a run; its lengths come before each replay (`kv_lengths` a placeholder)."""
+        B, N = meta.key_slots.shape
+        widest = -(-N // BLOCK)
+        table = torch.arange(B * widest, dtype=torch.int32, device=meta.key_slots.device).view(B, widest)
+        pages = F.pad(meta.key_slots, (0, widest * BLOCK - N)).view(B * widest, BLOCK)
+        ends = list(range(1, B + 1))
+        return cls(slots=pages, table=table, kv_lengths=[1] * B, q_ends=ends, decodes_only=True)
+
 
 def causal_mask(masks: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
     """sparse_mode 3's mask: (2048, 2048) bool, True (masked) above the diagonal; one a device."""
@@ -116,38 +139,122 @@ def npu_mla_attention(
     dims: MlaDims,
     *,
     op: Callable[..., Any],
+    graphs: GraphOps | None,
     fallback: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MlaMeta, MlaDims], torch.Tensor],
     shared: PerStep,
     masks: dict[torch.device, torch.Tensor],
 ) -> torch.Tensor:
     """Attention over the cached latents in the absorbed form, on FIA: (T, H, v)."""
+    graph = capturing()
+    if graph is not None and meta.spans is None:  # a decode step being captured
+        if graphs is None or not fits(q, cache, dims) or not 0 < q.shape[0] <= MAX_BATCH:
+            return fallback(q, cache, kv_b, meta, dims)
+        return _captured(q, cache, kv_b, meta, dims, op=op, graphs=graphs, graph=graph, shared=shared)
     if not supported(q, cache, meta, dims):
         return fallback(q, cache, kv_b, meta, dims)
     spans = meta.spans
-    assert spans is not None and cache.shape[1] == LATENT + ROPE
+    assert spans is not None
     T, H = q.shape[0], dims.num_heads
-    heads = fia_heads(H)
-    assert heads is not None
     step: PagedContext = shared.get(meta, "mla", lambda: PagedContext.of(meta, spans))
-    q_lat, q_pe, w_uv = absorbed(q, kv_b, dims)  # (T, H, 512), (T, H, 64), (H, v, 512)
-    query = F.pad(q_lat, (0, 0, 0, heads - H)).contiguous()  # (T, heads, 512): zero heads past H
-    query_rope = F.pad(q_pe, (0, 0, 0, heads - H)).contiguous()  # (T, heads, 64)
-    rows = cache[step.slots]  # (pages, BLOCK, 512 + 64)
-    key = rows[..., :LATENT].contiguous()  # (pages, BLOCK, 512): BnBsH, one KV head; value = key
-    key_rope = rows[..., LATENT:].contiguous()  # (pages, BLOCK, 64)
-    common: dict[str, Any] = {
-        "key_rope": key_rope, "num_heads": heads, "num_key_value_heads": 1, "scale": dims.softmax_scale,
-        "block_table": step.table, "block_size": BLOCK, "actual_seq_lengths_kv": step.kv_lengths,
-    }  # fmt: skip
+    query, query_rope, w_uv, heads = _queries(q, kv_b, dims)
+    common = _common(cache, step, dims, heads)
     if step.decodes_only:
         out, _ = op(
-            query.view(T, 1, heads, LATENT), key, key, query_rope=query_rope.view(T, 1, heads, ROPE),
-            input_layout="BSND", sparse_mode=0, **common,
+            query.view(T, 1, heads, LATENT), common.pop("key"), common.pop("value"),
+            query_rope=query_rope.view(T, 1, heads, ROPE), input_layout="BSND", sparse_mode=0, **common,
         )  # fmt: skip
     else:
         out, _ = op(
-            query, key, key, query_rope=query_rope, input_layout="TND", actual_seq_lengths=step.q_ends,
-            sparse_mode=3, atten_mask=causal_mask(masks, q.device), **common,
+            query, common.pop("key"), common.pop("value"), query_rope=query_rope, input_layout="TND",
+            actual_seq_lengths=step.q_ends, sparse_mode=3, atten_mask=causal_mask(masks, q.device), **common,
         )  # fmt: skip
     o_lat = out.view(T, heads, LATENT)[:, :H]  # (T, H, 512): the padded heads dropped
+    return torch.einsum("thl,hvl->thv", o_lat, w_uv)
+
+
+def _queries(
+    q: torch.Tensor, kv_b: torch.Tensor, dims: MlaDims
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """FIA's query (T, heads, 512) and query_rope (T, heads, 64), zero heads past H; W_uv; heads."""
+    H = dims.num_heads
+    heads = fia_heads(H)
+    assert heads is not None
+    q_lat, q_pe, w_uv = absorbed(q, kv_b, dims)  # (T, H, 512), (T, H, 64), (H, v, 512)
+    query = F.pad(q_lat, (0, 0, 0, heads - H)).contiguous()
+    query_rope = F.pad(q_pe, (0, 0, 0, heads - H)).contiguous()
+    return query, query_rope, w_uv, heads
+
+
+def _common(cache: torch.Tensor, step: PagedContext, dims: MlaDims, heads: int) -> dict[str, Any]:
+    """The paged keys (key = value = the latent c, key_rope = k_pe) and the arguments every call shares."""
+    assert cache.shape[1] == LATENT + ROPE
+    rows = cache[step.slots]  # (pages, BLOCK, 512 + 64)
+    key = rows[..., :LATENT].contiguous()  # (pages, BLOCK, 512): BnBsH, one KV head; value = key
+    return {
+        "key": key, "value": key, "key_rope": rows[..., LATENT:].contiguous(), "num_heads": heads,
+        "num_key_value_heads": 1, "scale": dims.softmax_scale, "block_table": step.table,
+        "block_size": BLOCK, "actual_seq_lengths_kv": step.kv_lengths,
+    }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GraphOps:
+    """What FIA in an NPU graph needs of torch_npu: the op's `.out` form, its workspace query and the
+    runtime's task groups (`torch.npu.graph_task_group_begin` / `_end`, `graph_task_update_begin` /
+    `_end`)."""
+
+    out: Callable[..., Any]
+    workspace: Callable[..., torch.Tensor]
+    runtime: Any
+
+    @classmethod
+    def of(cls, npu: Any, op: Any) -> GraphOps | None:
+        rt = getattr(npu, "npu", None)
+        names = ("group_begin", "group_end", "update_begin", "update_end")
+        workspace = getattr(npu, "_npu_fused_infer_attention_score_get_max_workspace", None)
+        tasks = all(hasattr(rt, f"graph_task_{n}") for n in names)
+        if op is None or not hasattr(op, "out") or workspace is None or not tasks:
+            return None
+        return cls(op.out, workspace, rt)
+
+
+def _captured(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    kv_b: torch.Tensor,
+    meta: MlaMeta,
+    dims: MlaDims,
+    *,
+    op: Callable[..., Any],
+    graphs: GraphOps,
+    graph: NpuGraph,
+    shared: PerStep,
+) -> torch.Tensor:
+    """A decode step being captured: FIA (BSND, one query a request) over every request's pages up to
+    the context bucket, its call recorded as a task group; before each replay the graph re-issues it
+    with the step's lengths (`NpuGraph.replay`), padding rows reading one key."""
+    B, H = q.shape[0], dims.num_heads
+    step: PagedContext = shared.get(meta, "mla graph", lambda: PagedContext.whole(meta))
+    query, query_rope, w_uv, heads = _queries(q, kv_b, dims)
+    common = _common(cache, step, dims, heads)
+    args = (query.view(B, 1, heads, LATENT), common.pop("key"), common.pop("value"))
+    common |= {"query_rope": query_rope.view(B, 1, heads, ROPE), "input_layout": "BSND", "sparse_mode": 0}
+    workspace = graphs.workspace(*args, **common)
+    out = torch.empty(B, 1, heads, LATENT, dtype=q.dtype, device=q.device)
+    lse = torch.empty(1, dtype=q.dtype, device=q.device)  # (no softmax_lse at MLA's D 512)
+    rt = graphs.runtime
+    rt.graph_task_group_begin(rt.current_stream())
+    graphs.out(*args, **common, workspace=workspace, out=[out, lse])
+    handle = rt.graph_task_group_end(rt.current_stream())
+
+    def update(seq_lens: Sequence[int]) -> None:
+        lengths = [*seq_lens, *[1] * (B - len(seq_lens))]
+        stream = rt.current_stream()
+        rt.graph_task_update_begin(stream, handle)
+        now = common | {"actual_seq_lengths_kv": lengths}
+        graphs.out(*args, **now, workspace=workspace, out=[out, lse])
+        rt.graph_task_update_end(stream)
+
+    graph.updates.append(update)
+    o_lat = out.view(B, heads, LATENT)[:, :H]
     return torch.einsum("thl,hvl->thv", o_lat, w_uv)
