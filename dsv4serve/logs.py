@@ -17,7 +17,9 @@ _configured = {"level": "warning"}  # what `configure` was last given (an engine
 
 
 def configure(level: str = "info", stream: TextIO | None = None) -> None:
-    """Render every structlog line as one JSON object on `stream` (default: sys.stderr)."""
+    """Render every structlog line as one JSON object on `stream` (default: sys.stderr), written whole:
+    the object and its newline in one write (print's two writes let the lines of the processes that
+    share a stderr pipe, fronts, cores and ranks, run into each other)."""
     if level.lower() not in LEVELS:
         raise ValueError(f"log level: {level!r} is not one of {LEVELS}")
     _configured["level"] = level.lower()
@@ -30,7 +32,7 @@ def configure(level: str = "info", stream: TextIO | None = None) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=stream if stream is not None else sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=stream if stream is not None else sys.stderr),
         cache_logger_on_first_use=False,
     )
 

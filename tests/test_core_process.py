@@ -92,15 +92,17 @@ class Server:
                 int(e.get("front", 0)): int(e["pid"]) for e in list(self.lines) if e.get("event") == "ready"
             }
         assert len(self.front_pids) == fronts, "the server did not start"
-        self.core_pid = int(self.wait_for(lambda e: "core_pid" in e, 1)["core_pid"])  # type: ignore[index]
+        self.core_pid = self.wait_for_core()
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            try:
-                self.lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                self.lines.append({"text": line})
+            self.lines += _events(line)
+
+    def wait_for_core(self) -> int:
+        found = self.wait_for(lambda e: "core_pid" in e, 30)
+        assert found is not None, self.tail()
+        return int(found["core_pid"])
 
     def tail(self, n: int = 40) -> str:
         """The last n log events, without the per-request ones: what a failed wait shows."""
@@ -123,6 +125,26 @@ class Server:
         for pid in [self.core_pid, *self.front_pids.values()]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _events(line: str) -> list[dict[str, Any]]:
+    """The JSON objects of a stderr line (several processes share the pipe: a line one of them left
+    unfinished runs into the next), and any text between them as {"text": ...}."""
+    decoder, out, at, last = json.JSONDecoder(), [], 0, 0  # last: where the text not yet kept begins
+    while (start := line.find("{", at)) >= 0:
+        try:
+            event, end = decoder.raw_decode(line, start)
+        except json.JSONDecodeError:
+            at = start + 1
+            continue
+        if line[last:start].strip():
+            out.append({"text": line[last:start]})
+        if isinstance(event, dict):
+            out.append(event)
+        at = last = end
+    if line[last:].strip():
+        out.append({"text": line[last:]})
+    return out
 
 
 @contextmanager
