@@ -14,6 +14,7 @@ import torch
 from golden_harness import compare, engine_traces, random_chunker
 
 from dsv4serve.attention import mla
+from dsv4serve.backends import split_norm
 from dsv4serve.backends.cuda import backend as triton_backend
 from dsv4serve.backends.cuda import mla as mla_triton
 from dsv4serve.config import EngineConfig
@@ -27,16 +28,20 @@ from tests.kernel_cases import DEVICE, on_device, step_item
 @pytest.mark.parametrize(
     ("q_lora_rank", "kv_lora_rank", "rope"), [(24, 40, 8), (None, 40, 8), (768, 512, 64)]
 )
+@pytest.mark.parametrize("launch", ["cuda", "plain"])
 def test_split_norm_kernel_matches_reference(
-    q_lora_rank: int | None, kv_lora_rank: int, rope: int, dtype: torch.dtype
+    q_lora_rank: int | None, kv_lora_rank: int, rope: int, dtype: torch.dtype, launch: str
 ) -> None:
+    """The CUDA backend's launch (PDL where the device has it) and the plain one the npu backend gives
+    triton-ascend, of the same source."""
     gen = torch.Generator().manual_seed(kv_lora_rank + (q_lora_rank or 0))
     width = (q_lora_rank or 0) + kv_lora_rank + rope
     y = on_device((torch.randn(7, width, generator=gen) * 3).to(dtype))
     kv_norm = on_device(torch.rand(kv_lora_rank, generator=gen) + 0.5)
     q_norm = on_device(torch.rand(q_lora_rank, generator=gen) + 0.5) if q_lora_rank else None
     want = mla.qkv_split_norm(y, q_norm, kv_norm, q_lora_rank, kv_lora_rank, 1e-6)
-    got = mla_triton.qkv_split_norm(y, q_norm, kv_norm, q_lora_rank, kv_lora_rank, 1e-6)
+    split = mla_triton.qkv_split_norm if launch == "cuda" else split_norm.qkv_split_norm
+    got = split(y, q_norm, kv_norm, q_lora_rank, kv_lora_rank, 1e-6)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(got.kv, want.kv, **tol)
     assert torch.equal(got.k_pe, want.k_pe) and got.k_pe.is_contiguous()

@@ -156,18 +156,28 @@ def _margins(traces: list[Any]) -> list[float]:
     return [float(top[0] - top[1]) for top in tops]
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize(
+    ("graphs", "tritons"), [(False, False), (True, False), (False, True)], ids=["eager", "graphs", "triton"]
+)
 def test_greedy_glm_through_the_npu_backend_is_the_references(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, graphs: bool
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, graphs: bool, tritons: bool
 ) -> None:
     """A tiny GLM (dense layers) at FIA's latent (512 + 64; 20 heads, padded to 32) in bf16 through the
     executor on the npu backend (chunked prefills mixed with decodes, pages of 16): the reference
     backend's greedy tokens, its logits within bf16's rounding. With graphs, decode steps are captured
     over the fake's NPUGraph and replayed, FIA in each layer recorded as a task group that every replay
-    first re-issues with the step's lengths (no host sync inside the capture)."""
+    first re-issues with the step's lengths (no host sync inside the capture). With triton-ascend
+    (here: Triton's interpreter on the fake's CPU tensors), the fused split + norm is the Triton source's."""
+    from dsv4serve.backends import npu, split_norm
     from dsv4serve.backends.npu.graphs import NpuGraphs
 
     calls = install(monkeypatch)
+    launches = []
+    if tritons:
+        monkeypatch.setattr(npu, "triton_ascend", lambda: True)
+        kernel = split_norm.qkv_split_norm
+        spy = lambda *a, **k: launches.append(1) or kernel(*a, **k)  # noqa: E731
+        monkeypatch.setattr(split_norm, "qkv_split_norm", spy)
     if graphs:
         monkeypatch.setattr(NpuGraphs, "device_type", "cpu")  # the fake's tensors live on the CPU
     model_dir = make_tiny_glm(
@@ -188,6 +198,7 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
     assert worst < 0.25, worst  # a few bf16 steps
     assert worst < min(_margins(want)), "every pick leads its runner-up by more than any deviation"
     assert calls[OP] > 0
+    assert bool(launches) == tritons
     if graphs:
         assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"
         captured = [g.graph for g in runner.graphs.graphs.values()]

@@ -283,7 +283,11 @@ async def _core_main(links: Callable[[], list[socket.socket]], options: CoreOpti
     system = options.system()
     place = None if options.port is None else Place(options.dp_rank, 0, options.port)
     runner = await trio.to_thread.run_sync(partial(ModelRunner, system.model_dir, system.engine, place=place))
-    socks = await trio.to_thread.run_sync(links)
+    try:
+        socks = await trio.to_thread.run_sync(links)
+    except BaseException:
+        runner.close(abort=True)  # its ranks, and the other cores
+        raise
     streams = [trio.SocketStream(trio.socket.from_stdlib_socket(sock)) for sock in socks]
     fronts = _Fronts([_Front(i, Frames(stream, FrontToCore)) for i, stream in enumerate(streams)])
     device = device_parts(runner)

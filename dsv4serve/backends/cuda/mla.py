@@ -1,10 +1,8 @@
 """Triton kernels of MLA (the contracts of `attention/mla.py`): the fused split + q_a / kv_a RMSNorm
 and the attention over the paged latent pool.
 
-Split + norm: one program per token reads its row of the `q_a_proj | kv_a_proj_with_mqa` output once
-and writes all three outputs: the normed q latent (skipped when q_lora_rank is None), the normed kv
-latent and the rope part k_pe (copied out contiguous). Norms in fp32, weights in fp32, the result
-rounded to the activation dtype, as the reference does.
+Split + norm: `backends/split_norm.py`'s source (the npu backend compiles it with triton-ascend), here
+launched with PDL.
 
 Attention, absorbed as the reference is: q_lat = q_nope W_uk and o = o_lat W_uv are cuBLAS GEMMs
 around the kernel; one program per (token, block of heads) walks the token's keys, its request's
@@ -15,13 +13,13 @@ online softmax in fp32. Small steps (decodes) split each token's keys over progr
 host-known bounds only, so a captured decode step replays it whatever its positions. Keys past a
 token's position or past its split are never loaded (masked loads give 0, their logits -inf). Memory:
 the partial states of split steps, O(tokens x heads x latent) per split; nothing per key.
-The same source is what triton-ascend would compile.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from itertools import accumulate
 from typing import Any
 
@@ -31,8 +29,10 @@ import triton
 import triton.language as tl
 
 from dsv4serve.attention.mla import MlaDims, MlaMeta, QkvLatents, absorbed
+from dsv4serve.backends import split_norm
 from dsv4serve.backends.cuda.transfers import to_device
 from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2, softmax_update
+from dsv4serve.backends.split_norm import split_norm_row
 
 SPLIT_TOKENS = 64  # steps of at most this many tokens split each token's keys (decodes)
 # launch choices measured on the H200 (benchmarks/bench_mla.py --sweep, RESULTS.md run 66)
@@ -47,16 +47,6 @@ PREFILL_BLOCK_N = 32  # keys per tile of a prefill program (64: faster, but spil
 # bf16 launch options of each kernel family over the rule's warps and Triton's default stages
 LAUNCH: dict[str, dict[str, int]] = {"decode": {}, "prefill": {"num_stages": 2}}
 NO_MAX = tl.constexpr(-1e30)  # the running max before any key (finite: exp(NO_MAX - m) is 0, not NaN)
-
-
-@triton.jit
-def _norm_part(y_ptr, w_ptr, out_ptr, start, N, eps, BLOCK: tl.constexpr):
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(y_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, (w * (x * scale)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -82,62 +72,18 @@ def _split_norm_kernel(
     PDL: tl.constexpr,
 ):
     enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    row = y_ptr + t * stride_y
-    if HAS_Q:
-        _norm_part(row, q_w_ptr, q_ptr + t * stride_q, 0, Q, eps, BLOCK_Q)
-    _norm_part(row, kv_w_ptr, kv_ptr + t * stride_kv, Q, KV, eps, BLOCK_KV)
-    cols = tl.arange(0, BLOCK_R)
-    mask = cols < R
-    pe = tl.load(row + Q + KV + cols, mask=mask, other=0.0)
-    tl.store(pe_ptr + t * stride_pe + cols, pe, mask=mask)
+    split_norm_row(
+        y_ptr, q_w_ptr, kv_w_ptr, q_ptr, kv_ptr, pe_ptr, tl.program_id(0).to(tl.int64), Q, KV, R,
+        stride_y, stride_q, stride_kv, stride_pe, eps, HAS_Q, BLOCK_Q, BLOCK_KV, BLOCK_R,
+    )  # fmt: skip
 
 
-def qkv_split_norm(
-    y: torch.Tensor,
-    q_norm: torch.Tensor | None,
-    kv_norm: torch.Tensor,
-    q_lora_rank: int | None,
-    kv_lora_rank: int,
-    eps: float,
-) -> QkvLatents:
-    """y: (T, [q_lora_rank +] kv_lora_rank + rope), rows contiguous."""
-    q_width = q_lora_rank or 0
-    assert (q_norm is None) == (q_lora_rank is None), "q_norm goes with q_lora_rank"
-    assert y.dim() == 2 and y.stride(-1) == 1, "y must be (T, width) with contiguous rows"
-    rope = y.shape[1] - q_width - kv_lora_rank
-    assert rope > 0, f"{tuple(y.shape)} too narrow for the latents and the rope part"
-    assert kv_norm.shape == (kv_lora_rank,) and kv_norm.is_contiguous()
-    assert q_norm is None or (q_norm.shape == (q_width,) and q_norm.is_contiguous())
-    t = y.shape[0]
-    q = torch.empty(t, q_width, dtype=y.dtype, device=y.device) if q_norm is not None else None
-    kv = torch.empty(t, kv_lora_rank, dtype=y.dtype, device=y.device)
-    k_pe = torch.empty(t, rope, dtype=y.dtype, device=y.device)
-    if t:
-        q_arg = q if q is not None else kv  # never touched when HAS_Q is off
-        _split_norm_kernel[(t,)](
-            y,
-            q_norm if q_norm is not None else kv_norm,
-            kv_norm,
-            q_arg,
-            kv,
-            k_pe,
-            q_width,
-            kv_lora_rank,
-            rope,
-            y.stride(0),
-            q_arg.stride(0),
-            kv.stride(0),
-            k_pe.stride(0),
-            eps,
-            HAS_Q=q is not None,
-            BLOCK_Q=pow2(q_width),
-            BLOCK_KV=pow2(kv_lora_rank),
-            BLOCK_R=pow2(rope),
-            num_warps=4,
-            **launch_options(y),
-        )
-    return QkvLatents(q=q, kv=kv, k_pe=k_pe)
+# the shared source (`backends/split_norm.py`) launched as CUDA launches every kernel (PDL on Hopper)
+def _split_norm_options(y: torch.Tensor) -> dict[str, Any]:
+    return {"num_warps": 4, **launch_options(y)}
+
+
+qkv_split_norm = partial(split_norm.qkv_split_norm, kernel=_split_norm_kernel, options=_split_norm_options)
 
 
 @triton.jit

@@ -32,12 +32,14 @@ from dsv4serve.backends.npu.mla import GraphOps, npu_mla_attention
 from dsv4serve.backends.npu.norm import npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
+from dsv4serve.backends.npu.split_norm import qkv_split_norm
 from dsv4serve.config import ConfigError
 
 # Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
 # builds differ by CANN version; `npu_find_op` says where each is looked for); a family whose ops are
-# missing runs the reference, one warning naming them. The others (DeepSeek-V4's prepare and hc_head;
-# GLM's MLA prepare, qkv_split_norm and rope_store) run the reference. The families with an op in NEWER
+# missing runs the reference, one warning naming them. GLM's qkv_split_norm is Triton source, compiled by
+# triton-ascend where it is installed (`triton_ascend`). The others (DeepSeek-V4's prepare and hc_head;
+# GLM's MLA prepare and rope_store) run the reference. The families with an op in NEWER
 # come in two generations (`generation`): the custom libraries' ops named here, else CANN's newer ones
 # in their place. The engine's int8 indexer (`indexer_quant="int8"`) takes INT8_INDEXER where found, else
 # the reference (one warning, on its first call).
@@ -203,6 +205,10 @@ def backend(npu: ModuleType | None = None) -> Backend:
         ),
     }
     families: dict[str, Any] = {}
+    tritons = triton_ascend()
+    log.info("npu_triton", triton_ascend=tritons)  # GLM's fused split + norm compiles with it
+    if tritons:
+        families["mla.qkv_split_norm"] = partial(qkv_split_norm, fallback=reference.mla.qkv_split_norm)
     for family, ops in FAMILY_OPS.items():
         if gen[family] is None:
             warnings.warn(_lacks(family, ops, found), RuntimeWarning, stacklevel=2)
@@ -220,6 +226,15 @@ def backend(npu: ModuleType | None = None) -> Backend:
         collectives="hccl",
         **top,
     )
+
+
+def triton_ascend() -> bool:
+    """Whether triton-ascend is installed (its CANN extension, as engines detect it): the Triton source
+    of `backends/split_norm.py` then compiles for the NPU."""
+    try:
+        return importlib.util.find_spec("triton.language.extra.cann") is not None
+    except ModuleNotFoundError:  # no triton at all
+        return False
 
 
 def _group(families: dict[str, Any], group: str) -> dict[str, Any]:
