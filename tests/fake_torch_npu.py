@@ -581,24 +581,33 @@ def fake_quant_lightning_indexer(
     assert block_table.dtype == actual_seq_lengths_query.dtype == actual_seq_lengths_key.dtype == torch.int32
     assert 1 <= sparse_count <= 2048
     out = torch.full((T, 1, sparse_count), -1, dtype=torch.int32)
-    start = 0
-    for b, end in enumerate(actual_seq_lengths_query.tolist()):
-        length = int(actual_seq_lengths_key[b])
-        for i, t in enumerate(range(start, end)):
-            seen = length - (end - start) + i + 1  # keys 0 .. seen - 1
-            if seen <= 0:
-                continue
-            j = torch.arange(seen)
-            page, row = block_table[b, j // size].long(), j % size
-            k, k_scale = key[page, row, 0].float(), key_dequant_scale[page, row, 0].float()  # (seen, D)
-            assert bool((k_scale >= 0).all()), "the keys' dequant scales are >= 0"
-            dots = query[t].float() @ k.T  # (N, seen)
-            scaled = query_dequant_scale[t].float()[:, None] * k_scale[None, :] * dots
-            score = (weights[t].float()[:, None] * torch.relu(scaled)).sum(0)
-            order = torch.sort(score, descending=True, stable=True).indices[:sparse_count]
-            out[t, 0, : order.numel()] = order.to(torch.int32)
-        start = end
+    for b, t, j in _causal_keys(actual_seq_lengths_query, actual_seq_lengths_key):
+        page, row = block_table[b, j // size].long(), j % size
+        k, k_scale = key[page, row, 0].float(), key_dequant_scale[page, row, 0].float()  # (seen, D)
+        assert bool((k_scale >= 0).all()), "the keys' dequant scales are >= 0"
+        dots = query[t].float() @ k.T  # (N, seen)
+        scaled = query_dequant_scale[t].float()[:, None] * k_scale[None, :] * dots
+        _top(out, t, (weights[t].float()[:, None] * torch.relu(scaled)).sum(0), sparse_count)
     return out
+
+
+def _causal_keys(ends: torch.Tensor, lengths: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """TND's query tokens (cumulative `ends`) with the keys sparse_mode 3 lets each see: (batch entry,
+    token, key indices 0 .. seen - 1), queries right-aligned to their entry's `lengths` keys."""
+    start = 0
+    for b, end in enumerate(ends.tolist()):
+        length = int(lengths[b])
+        for i, t in enumerate(range(start, end)):
+            seen = length - (end - start) + i + 1
+            if seen > 0:
+                yield b, t, torch.arange(seen)
+        start = end
+
+
+def _top(out: torch.Tensor, t: int, score: torch.Tensor, count: int) -> None:
+    """Token t's `count` highest scores' indices, highest first (the lower index on a tie), -1 after."""
+    order = torch.sort(score, descending=True, stable=True).indices[:count]
+    out[t, 0, : order.numel()] = order.to(torch.int32)
 
 
 # ops of a custom-op library (vllm-ascend's `torch.ops._C_ascend`), not of torch_npu itself
@@ -634,20 +643,10 @@ def fake_lightning_indexer(
         and block_table.dtype == torch.int32
     )
     assert actual_seq_lengths_query.dtype == actual_seq_lengths_key.dtype == torch.int32
-    out = torch.full((T, 1, sparse_count), -1, dtype=torch.int32)
-    size, start = key.shape[1], 0
-    for b, end in enumerate(actual_seq_lengths_query.tolist()):
-        length = int(actual_seq_lengths_key[b])
-        for i, t in enumerate(range(start, end)):
-            seen = length - (end - start) + i + 1  # keys 0 .. seen - 1
-            if seen <= 0:
-                continue
-            j = torch.arange(seen)
-            k = key[block_table[b, j // size].long(), j % size, 0].float()  # (seen, D)
-            score = (torch.relu(query[t].float() @ k.T) * weights[t].float()[:, None]).sum(0)
-            order = torch.sort(score, descending=True, stable=True).indices[:sparse_count]
-            out[t, 0, : order.numel()] = order.to(torch.int32)
-        start = end
+    out, size = torch.full((T, 1, sparse_count), -1, dtype=torch.int32), key.shape[1]
+    for b, t, j in _causal_keys(actual_seq_lengths_query, actual_seq_lengths_key):
+        k = key[block_table[b, j // size].long(), j % size, 0].float()  # (seen, D)
+        _top(out, t, (torch.relu(query[t].float() @ k.T) * weights[t].float()[:, None]).sum(0), sparse_count)
     return out, torch.empty(0)
 
 

@@ -91,20 +91,27 @@ def test_serve_http_with_two_ranks(tiny_model_dir: Path, ranks: list[str]) -> No
     argv += ["--port", str(port), "--max-total-tokens", "4096", *ranks, "--expert-parallel-size", "2"]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        url = _healthy(port, 120)
         body = {"model": tiny_model_dir.name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
         got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert got["choices"][0]["text"] == want
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
+
+
+def _healthy(port: int, within_s: float) -> str:
+    """The server's URL once its /health answers 200 (or `within_s` passed)."""
+    import httpx
+
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.5)
+    return url
 
 
 @pytest.mark.parametrize("family", ["deepseek_v4", "glm4_moe_lite"])
@@ -196,14 +203,7 @@ def test_serve_http_with_two_fronts_and_a_core_on_another_host(
     serve = [*run, "serve", "--http", "--model", str(tiny_model_dir), "--port", str(port), *flags]
     server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        url = _healthy(port, 180)
         for prompt, text in zip(prompts, want, strict=True):
             body = {"model": tiny_model_dir.name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
             got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()

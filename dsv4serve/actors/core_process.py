@@ -54,7 +54,7 @@ from dsv4serve.actors.system import (
     start_engine_actors,
 )
 from dsv4serve.config import EngineConfig
-from dsv4serve.executor.ranks import RANK_TOKEN_ENV, Place, dial
+from dsv4serve.executor.ranks import RANK_TOKEN_ENV, Place, dial, wait_all
 from dsv4serve.executor.runner import ModelRunner
 from dsv4serve.protocol import (
     CancelRequest,
@@ -229,25 +229,19 @@ def run_host_cores(model_dir: str, engine: EngineConfig, num_fronts: int) -> int
     with its tensor-parallel ranks), each dialing every front of host 0; returns once they all ended
     (0 if each did cleanly: a core ends when host 0's fronts close)."""
     system = SystemOptions(Path(model_dir), engine)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable, "-m", "dsv4serve.actors.core_process", f"connect:{num_fronts}",
-                msgspec.json.encode(CoreOptions.of(system, dp_rank=d, port=engine.master_port)).decode(),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=sys.stderr.fileno(),
-        )
-        for d in engine.host_cores
-    ]  # fmt: skip
-    try:
-        codes = [proc.wait() for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return max((abs(c) for c in codes), default=0)
+    return wait_all(
+        [
+            subprocess.Popen(
+                [
+                    sys.executable, "-m", "dsv4serve.actors.core_process", f"connect:{num_fronts}",
+                    msgspec.json.encode(CoreOptions.of(system, dp_rank=d, port=engine.master_port)).decode(),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=sys.stderr.fileno(),
+            )
+            for d in engine.host_cores
+        ]
+    )  # fmt: skip
 
 
 @dataclass(eq=False)

@@ -455,10 +455,17 @@ def run_host(model_dir: str, engine: EngineConfig) -> int:
     """`dsv4serve ranks` with tensor parallelism over hosts: this host's ranks of the core whose leader
     runs on host 0 (node_rank 1 ..); returns once they all ended (0 if each did cleanly)."""
     first = engine.node_rank * engine.ranks_per_node
-    procs = [
-        spawn_rank(model_dir, engine, Place(0, rank, engine.master_port), None)
-        for rank in range(first, first + engine.ranks_per_node)
-    ]
+    return wait_all(
+        [
+            spawn_rank(model_dir, engine, Place(0, rank, engine.master_port), None)
+            for rank in range(first, first + engine.ranks_per_node)
+        ]
+    )
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
+    """A host's processes of the engine, once they all ended: 0 if each did cleanly, else the largest
+    exit code (a signal's number); any left running when this is interrupted are killed."""
     try:
         codes = [proc.wait() for proc in procs]
     finally:
