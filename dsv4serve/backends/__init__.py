@@ -34,6 +34,7 @@ from dsv4serve.attention.step import StepMeta, StepTables
 from dsv4serve.config import DEVICES, ConfigError
 from dsv4serve.layers.linear import Weight
 from dsv4serve.layers.mhc import HcParams, HyperConnection
+from dsv4serve.protocol import StepItem
 
 Tensor = torch.Tensor
 T = TypeVar("T")
@@ -249,12 +250,12 @@ class Stager(Protocol):
 class Graph(Protocol):
     """One step captured on the device: `capture(step)` runs it once to warm up, records it and returns
     its outputs (static: rewritten by every replay); `replay` runs it again on the same inputs, given
-    the step's requests' lengths (None: the last replay's) for a graph whose ops take host lengths
-    (the npu backend's FIA re-issues them before each replay)."""
+    the step's items (None: the last replay's) for a graph whose ops take host lengths (the npu
+    backend's FIA re-issues them before each replay; CUDA's read nothing of them)."""
 
     def capture(self, step: Callable[[], T]) -> T: ...
 
-    def replay(self, seq_lens: Sequence[int] | None = None) -> None: ...
+    def replay(self, items: Sequence[StepItem] | None = None) -> None: ...
 
 
 class Graphs(Protocol):

@@ -179,6 +179,6 @@ class DecodeGraphs:
         graph = self.graphs.get(key) or self._capture(key)
         graph.upload(items, seeds, self.pad_row)
         assert graph.graph is not None
-        graph.graph.replay([i.seq_len for i in items])
+        graph.graph.replay(items)
         self.last = graph
         return graph.out, graph.logits

@@ -7,6 +7,8 @@ from typing import TypeVar
 
 import torch
 
+from dsv4serve.protocol import StepItem
+
 T = TypeVar("T")
 
 
@@ -46,5 +48,5 @@ class CudaGraph:
             out = step()
         return out
 
-    def replay(self, seq_lens: Sequence[int] | None = None) -> None:
+    def replay(self, items: Sequence[StepItem] | None = None) -> None:
         self.graph.replay()  # (its kernels read the lengths from the step's device words)

@@ -14,6 +14,8 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from dsv4serve.protocol import StepItem
+
 T = TypeVar("T")
 
 
@@ -72,9 +74,9 @@ class NpuGraph:
                 _CAPTURING.pop()
         return out
 
-    def replay(self, seq_lens: Sequence[int] | None = None) -> None:
-        if seq_lens is not None:
-            self.seq_lens = list(seq_lens)
+    def replay(self, items: Sequence[StepItem] | None = None) -> None:
+        if items is not None and self.updates:
+            self.seq_lens = [item.seq_len for item in items]
         for update in self.updates:
             update(self.seq_lens)
         self.graph.replay()
