@@ -293,6 +293,35 @@ KILLED = [
 async def test_a_killed_rank_fails_the_open_requests_and_stops_the_engine(
     glm_dir: Path, layout: dict[str, int], victim: bytes
 ) -> None:
+    await _kill_mid_stream(glm_dir, layout, victim)
+
+
+async def test_a_killed_core_on_another_host_fails_the_open_requests_and_stops_the_engine(
+    glm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DP=2 + EP=2 over two hosts: kill -9 of host 1's core mid-stream fails every open request on both
+    cores, the engine stops, and host 1's `dsv4serve ranks` exits non-zero."""
+    from tests.test_http_cli import free_port
+
+    port = free_port()
+    while port + 1 >= 65535:
+        port = free_port()
+    monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "s3cret")
+    layout = {"data_parallel_size": 2, "expert_parallel_size": 2, "nnodes": 2, "master_port": port}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in layout.items()]
+    argv = [sys.executable, "-m", "dsv4serve", "ranks", "--model", str(glm_dir), "--node-rank", "1"]
+    host1 = subprocess.Popen([*argv, "--max-total-tokens", "8192", *flags])
+    try:
+        await _kill_mid_stream(glm_dir, layout, CORE_1)
+        assert host1.wait(timeout=60) != 0  # its core died of the signal
+    finally:
+        if host1.poll() is None:
+            host1.kill()
+
+
+async def _kill_mid_stream(glm_dir: Path, layout: dict[str, int], victim: bytes) -> None:
+    """Three long streams; `victim` (a process whose command line holds it) killed at the first token:
+    each stream ends with an error and the engine stops with EngineCoreDied."""
     logs.configure("warning", stream=sys.stderr)  # an earlier test's captured stream may be closed
     params = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
     prompts = _prompts(3)[:3]
