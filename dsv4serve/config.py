@@ -118,14 +118,17 @@ class EngineConfig:
     )
     nnodes: int = knob(
         1,
-        "hosts the tensor-parallel ranks span, tensor_parallel_size / nnodes on each (host 0 runs the "
-        "engine, the others `dsv4serve ranks`)",
+        "hosts the engine spans: tensor_parallel_size / nnodes ranks of its one core on each, or (with "
+        "data_parallel_size > 1) data_parallel_size / nnodes cores each (host 0 serves, the others run "
+        "`dsv4serve ranks`)",
         positive=True,
     )
     node_rank: int = knob(0, "this host's index among nnodes (`dsv4serve ranks` on hosts 1 ..)")
     master_addr: str = knob("127.0.0.1", "host 0's address, where the ranks of several hosts meet")
     master_port: int = knob(
-        0, "host 0's port for the ranks of several hosts (and the next one); 0: a free one, one host only"
+        0,
+        "host 0's port where the ranks of several hosts meet (the next ones: its ranks' links, or front f's "
+        "cores at + 1 + f); 0: a free one, one host only",
     )
 
     def __post_init__(self) -> None:

@@ -19,7 +19,8 @@ _configured = {"level": "warning"}  # what `configure` was last given (an engine
 def configure(level: str = "info", stream: TextIO | None = None) -> None:
     """Render every structlog line as one JSON object on `stream` (default: sys.stderr), written whole:
     the object and its newline in one write (print's two writes let the lines of the processes that
-    share a stderr pipe, fronts, cores and ranks, run into each other)."""
+    share a stderr pipe, fronts, cores and ranks, run into each other). A pipe keeps writes of up to
+    PIPE_BUF (4 KiB on Linux) whole; a longer line (a traceback) may still interleave."""
     if level.lower() not in LEVELS:
         raise ValueError(f"log level: {level!r} is not one of {LEVELS}")
     _configured["level"] = level.lower()

@@ -40,6 +40,24 @@ def test_npu_backend_without_torch_npu_says_which_extra_to_install(monkeypatch: 
         select("npu")
 
 
+def test_the_npu_backend_needs_no_triton() -> None:
+    """triton-ascend is optional (GLM's split + norm compiles with it): without any triton, the npu
+    backend imports and builds over the fake, that family on the reference."""
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.path.insert(0, 'tests')\n"
+        "import pytest, fake_torch_npu\n"
+        "from dsv4serve.backends import reference, select\n"
+        "fake_torch_npu.install(pytest.MonkeyPatch())\n"
+        "ops = select('npu')\n"
+        "assert ops.mla.qkv_split_norm is reference.backend().mla.qkv_split_norm\n"
+    )
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_a_torch_npu_without_our_ops_runs_the_reference_with_a_warning_each(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

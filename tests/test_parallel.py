@@ -100,6 +100,70 @@ def test_serve_http_with_two_ranks(tiny_model_dir: Path, ranks: list[str]) -> No
         assert server.wait(timeout=60) == 0
 
 
+def test_a_core_of_another_host_with_other_flags_stops_the_start(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host 1 started with another page size than host 0: host 0's front refuses its core, naming the
+    cause, instead of serving two cores that disagree."""
+    port = _master_port()
+    monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "s3cret")
+    layout = {"data_parallel_size": 2, "expert_parallel_size": 2, "nnodes": 2, "master_port": port}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in layout.items()]
+    argv = [sys.executable, "-m", "dsv4serve", "ranks", "--model", str(tiny_model_dir), "--node-rank", "1"]
+    host1 = subprocess.Popen([*argv, "--page-size", "32", "--max-total-tokens", "4096", *flags])
+    try:
+        with pytest.raises(BaseException) as caught:
+            Engine(tiny_model_dir, page_size=16, max_total_tokens=4096, **layout).close()
+        assert _died_of(caught.value, "other engine flags"), caught.value
+    finally:
+        if host1.poll() is None:
+            host1.kill()
+
+
+def test_a_local_core_dying_while_the_other_hosts_load_stops_the_start(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host 0's core dies while host 0 waits for the other hosts' cores (none ever comes here): the start
+    fails at once with the core's exit, not after the 900 s the other hosts get to load."""
+    import threading
+
+    monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "s3cret")
+    layout = {"data_parallel_size": 2, "expert_parallel_size": 2, "nnodes": 2, "master_port": _master_port()}
+
+    def kill_core_0() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            pids = _pids(tiny_model_dir, b'"dp_rank":0')
+            if pids:
+                time.sleep(1.0)  # loading, or waiting for its peers
+                os.kill(pids[0], signal.SIGKILL)
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=kill_core_0, daemon=True).start()
+    begin = time.monotonic()
+    with pytest.raises(BaseException) as caught:
+        Engine(tiny_model_dir, max_total_tokens=4096, **layout).close()
+    assert _died_of(caught.value, "exited with code -9"), caught.value
+    assert time.monotonic() - begin < 120
+
+
+def _master_port() -> int:
+    from tests.test_http_cli import free_port
+
+    port = free_port()
+    while port + 2 >= 65535:
+        port = free_port()
+    return port
+
+
+def _died_of(exc: BaseException, cause: str) -> bool:
+    """Whether `exc` is, or (in exception groups) holds, an EngineCoreDied saying `cause`."""
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_died_of(e, cause) for e in exc.exceptions)
+    return isinstance(exc, EngineCoreDied) and cause in str(exc)
+
+
 def _healthy(port: int, within_s: float) -> str:
     """The server's URL once its /health answers 200 (or `within_s` passed)."""
     import httpx
@@ -111,6 +175,8 @@ def _healthy(port: int, within_s: float) -> str:
                 break
         except httpx.TransportError:
             time.sleep(0.5)
+    else:
+        raise AssertionError(f"no healthy server on port {port} within {within_s} s")
     return url
 
 
@@ -223,7 +289,7 @@ import os, sys
 from dsv4serve.actors.core_process import hello_frame
 from dsv4serve.executor.ranks import dial
 sock = dial("127.0.0.1", int(sys.argv[1]))
-sock.sendall(hello_frame(1))
+sock.sendall(hello_frame(1, 1, "0" * 16))
 sys.exit(0 if sock.recv(1) == b"" else 1)
 """
 

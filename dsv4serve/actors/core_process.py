@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import math
 import os
 import signal
@@ -35,6 +36,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -206,20 +208,30 @@ def main(argv: list[str]) -> int:
 FRONT_PORT = 1  # front f of host 0 takes the other hosts' cores on master_port + FRONT_PORT + f
 
 
-def hello_frame(dp_rank: int) -> bytes:
-    """What a core on another host sends first on each connection: its rank and the hosts' token."""
-    payload = msgspec.msgpack.encode([{"dp_rank": dp_rank, "token": os.environ.get(RANK_TOKEN_ENV, "")}])
+def hello_frame(dp_rank: int, fronts: int, engine: str) -> bytes:
+    """What a core on another host sends first on each connection: its rank, the hosts' token, the
+    fronts it dials and its engine flags' digest (`engine_digest`), which the front checks."""
+    token = os.environ.get(RANK_TOKEN_ENV, "")
+    hello = {"dp_rank": dp_rank, "token": token, "fronts": fronts, "engine": engine}
+    payload = msgspec.msgpack.encode([hello])
     return _HEADER.pack(len(payload)) + payload
+
+
+def engine_digest(engine: EngineConfig) -> str:
+    """The engine flags every host must share (all but node_rank and master_addr), in 16 hex digits."""
+    shared = asdict(engine) | {"node_rank": 0, "master_addr": ""}
+    return hashlib.sha256(msgspec.json.encode(shared)).hexdigest()[:16]
 
 
 def connect_to_fronts(options: CoreOptions, num_fronts: int) -> list[socket.socket]:
     """A core on another host (data parallelism over hosts): its connection to each front of host 0,
     in front order, each opened with its hello."""
     engine = EngineConfig(**options.engine)
+    hello = hello_frame(options.dp_rank, num_fronts, engine_digest(engine))
     socks = []
     for front in range(num_fronts):
         sock = dial(engine.master_addr, engine.master_port + FRONT_PORT + front)
-        sock.sendall(hello_frame(options.dp_rank))
+        sock.sendall(hello)
         socks.append(sock)
     return socks
 
@@ -363,6 +375,8 @@ async def _read_from_front(
                     fronts.owner[msg.rid] = front
                 await to_scheduler.send(msg)
         front.gone = front.drained = True
+        if all(f.gone for f in fronts.all):
+            _exit_after(EXIT_WAIT_S)
         orphans = sorted(rid for rid, owner in fronts.owner.items() if owner is front)
         if orphans:
             log.warning("front_gone", front=front.index, cancelled=len(orphans))
@@ -370,6 +384,15 @@ async def _read_from_front(
             await to_scheduler.send(CancelRequest(rid=rid))
         if fronts.drain_due():
             await to_scheduler.send(Drain())
+
+
+def _exit_after(seconds: float) -> None:
+    """Every front has gone: the core drains and exits, unless it hangs (in its ranks' collectives with
+    a core that died, say): after `seconds` the process ends anyway. Its own fronts kill a core of this
+    host then; nothing would end a core of another host."""
+    timer = threading.Timer(seconds, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
 
 
 async def _write_to_fronts(

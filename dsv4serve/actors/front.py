@@ -30,7 +30,14 @@ import msgspec
 import structlog
 import trio
 
-from dsv4serve.actors.core_process import EXIT_WAIT_S, FRONT_PORT, CoreOptions, Frames, take_waiting
+from dsv4serve.actors.core_process import (
+    EXIT_WAIT_S,
+    FRONT_PORT,
+    CoreOptions,
+    Frames,
+    engine_digest,
+    take_waiting,
+)
 from dsv4serve.actors.scheduler import SchedulerGauges
 from dsv4serve.actors.system import (
     EngineCoreDied,
@@ -43,7 +50,7 @@ from dsv4serve.actors.system import (
 from dsv4serve.actors.tokenizer_core import encode_prompt, load_tokenizer, max_token_chars
 from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.executor.ranks import HELLO_WAIT_S, RANK_TOKEN_ENV, READY_TIMEOUT_S, free_port
-from dsv4serve.models.registry import config_from_dir, spec_for
+from dsv4serve.models.registry import config_from_dir, spec_for, with_index_quant
 from dsv4serve.protocol import (
     CoreReady,
     CoreStatus,
@@ -66,14 +73,18 @@ async def run_engine(
     links: FrontLinks | None = None,
     attach: Sequence[socket.socket] = (),
     index: int = 0,
+    num_fronts: int = 1,
     task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The engine every front door runs: in this process, or (`options.core_process`) with its core in
-    a process of its own; returns after drain or shutdown. `links`, `attach`, `index`: see `run_front`."""
+    a process of its own; returns after drain or shutdown. `links`, `attach`, `index`, `num_fronts`:
+    see `run_front`."""
     if options.engine.node_rank:
         raise ConfigError("node_rank: host 0 serves the engine; the other hosts run `dsv4serve ranks`")
     if options.core_process or attach or index:
-        await run_front(options, links=links, attach=attach, index=index, task_status=task_status)
+        await run_front(
+            options, links=links, attach=attach, index=index, num_fronts=num_fronts, task_status=task_status
+        )
     else:
         await run_system(options, task_status=task_status)
 
@@ -152,20 +163,21 @@ async def run_front(
     links: FrontLinks | None = None,
     attach: Sequence[socket.socket] = (),
     index: int = 0,
+    num_fronts: int = 1,
     task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start this host's engine-core processes (one, or one per data-parallel rank), then run the
     handle and the tokenizer against them. With `links`, the cores are started with one socket per
     front and this front uses `links.fronts[0]`; with `attach` (one socket per core of this host, from
-    the first front), no core is started: this is front `index` of cores that run already. With data
-    parallelism over hosts, the other hosts' cores dial this front (`_accept_cores`)."""
+    the first front), no core is started: this is front `index` of `num_fronts` over cores that run
+    already. With data parallelism over hosts, the other hosts' cores dial this front (`_accept_cores`)."""
     if options.prebuilt is not None:
         raise ValueError("core_process: a prebuilt model cannot cross into the engine-core process")
     log = structlog.get_logger().bind(actor="system")
-    model = config_from_dir(options.model_dir)
+    engine = options.engine
+    model = with_index_quant(config_from_dir(options.model_dir), engine.indexer_quant)  # (refused here)
     bos = spec_for(model.model_type).prompt_bos
     tok = await trio.to_thread.run_sync(lambda: load_tokenizer(options.model_dir, require_bos=bos))
-    engine = options.engine
     num, here = engine.data_parallel_size, engine.host_cores
     port = (engine.master_port if engine.nnodes > 1 else free_port()) if num > 1 and not attach else None
     cores: list[_Core] = [_Core(None, Frames(_stream(sock), CoreToFront)) for sock in attach]
@@ -174,7 +186,9 @@ async def run_front(
         for i, dp_rank in enumerate(() if attach else here):
             cores.append(await _start_core(options, dp_rank, port, links.fronts[0][i], links.cores[i]))
         if len(here) < num:
-            cores += await _accept_cores(engine, index, [d for d in range(num) if d not in here])
+            remote = [d for d in range(num) if d not in here]
+            local = [core.process for core in cores if core.process is not None]
+            cores += await _accept_cores(engine, index, num_fronts, remote, local)
         ready = await _ready(cores)
         log.info(
             "loaded",
@@ -277,40 +291,76 @@ async def _start_core(
     return _Core(process, Frames(_stream(front_sock), CoreToFront))
 
 
-async def _accept_cores(engine: EngineConfig, front: int, dp_ranks: list[int]) -> list[_Core]:
+async def _accept_cores(
+    engine: EngineConfig, front: int, num_fronts: int, dp_ranks: list[int], local: Sequence[trio.Process]
+) -> list[_Core]:
     """The other hosts' engine cores (data parallelism over hosts), in `dp_ranks` order, as each dials
     this front on master_port + FRONT_PORT + `front` (IPv4, as the ranks' port) and says its hello:
-    its dp_rank and the hosts' token (RANK_TOKEN_ENV). A peer without the token, or silent for
-    HELLO_WAIT_S, is closed on; EngineCoreDied if they are not all there within READY_TIMEOUT_S."""
+    its dp_rank, the hosts' token (RANK_TOKEN_ENV, required), how many fronts it dials and its engine
+    flags' digest. A peer without the token, or silent for HELLO_WAIT_S, is closed on; a core whose
+    fronts or flags differ from this host's stops the start (EngineCoreDied, naming it), as does a
+    `local` core exiting while the others load, or their not all dialing within READY_TIMEOUT_S."""
     token = os.environ.get(RANK_TOKEN_ENV, "").encode()
+    if not token:
+        raise ConfigError(f"data parallelism over hosts needs ${RANK_TOKEN_ENV}, alike on every host")
     got: dict[int, Frames] = {}
     listeners = await trio.open_tcp_listeners(engine.master_port + FRONT_PORT + front, host="0.0.0.0")
     try:
-        with trio.move_on_after(READY_TIMEOUT_S):
-            while len(got) < len(dp_ranks):
-                stream = await listeners[0].accept()
-                hello_frames = Frames(stream, dict[str, Any])
-                hello = None
-                with trio.move_on_after(HELLO_WAIT_S), contextlib.suppress(msgspec.DecodeError, ValueError):
-                    hello = await hello_frames.receive()  # (a stranger's bytes: no hello)
-                said = hello[0] if hello else {}
-                rank = said.get("dp_rank")
-                if not hmac.compare_digest(str(said.get("token")).encode(), token) or rank not in dp_ranks:
-                    await stream.aclose()
-                    continue
-                if rank in got:
-                    await stream.aclose()
-                    raise EngineCoreDied(f"two engine cores dialed front {front} as core {rank}")
-                got[rank] = hello_frames.retyped(CoreToFront)
+        async with trio.open_nursery() as nursery:
+            for process in local:
+                nursery.start_soon(_fail_on_exit, process)
+            with trio.move_on_after(READY_TIMEOUT_S):
+                while len(got) < len(dp_ranks):
+                    stream = await listeners[0].accept()
+                    rank, frames = await _hello(stream, token, dp_ranks, engine, num_fronts)
+                    if rank is None:
+                        await stream.aclose()
+                    elif rank in got:
+                        await stream.aclose()
+                        raise EngineCoreDied(f"two engine cores dialed front {front} as core {rank}")
+                    else:
+                        got[rank] = frames
+            nursery.cancel_scope.cancel()
+        missing = [d for d in dp_ranks if d not in got]
+        if missing:
+            raise EngineCoreDied(f"the engine cores {missing} of the other hosts never dialed front {front}")
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            for frames in got.values():
+                await frames.stream.aclose()
+        raise
     finally:
-        for listener in listeners:
-            await listener.aclose()
-    missing = [d for d in dp_ranks if d not in got]
-    if missing:
-        for frames in got.values():
-            await frames.stream.aclose()
-        raise EngineCoreDied(f"the engine cores {missing} of the other hosts never dialed front {front}")
+        with trio.CancelScope(shield=True):
+            for listener in listeners:
+                await listener.aclose()
     return [_Core(None, got[d]) for d in dp_ranks]
+
+
+async def _hello(
+    stream: trio.SocketStream, token: bytes, dp_ranks: list[int], engine: EngineConfig, num_fronts: int
+) -> tuple[int | None, Frames]:
+    """A dialing peer's hello: (its dp_rank, its frames after the hello), or (None, ..) for a stranger
+    (no hello in HELLO_WAIT_S, bytes that are not one, a wrong token or rank)."""
+    frames, hello = Frames(stream, dict[str, Any]), None
+    with trio.move_on_after(HELLO_WAIT_S), contextlib.suppress(msgspec.DecodeError, ValueError):
+        hello = await frames.receive()
+    said = hello[0] if hello else {}
+    rank = said.get("dp_rank")
+    if not hmac.compare_digest(str(said.get("token")).encode(), token) or rank not in dp_ranks:
+        return None, frames
+    if said.get("engine") != engine_digest(engine):
+        raise EngineCoreDied(f"the engine core {rank} of another host runs with other engine flags")
+    if said.get("fronts") != num_fronts:
+        raise EngineCoreDied(
+            f"the engine core {rank} of another host dials {said.get('fronts')} fronts, this host runs "
+            f"{num_fronts} (give `dsv4serve ranks` serve's --api-server-count)"
+        )
+    return rank, frames.retyped(CoreToFront)
+
+
+async def _fail_on_exit(process: trio.Process) -> None:
+    code = await process.wait()
+    raise EngineCoreDied(f"the engine-core process exited with code {code} before it was ready")
 
 
 def _pools(cores: list[_Core]) -> dict[str, tuple[int, int]]:

@@ -23,6 +23,7 @@ import hmac
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -313,6 +314,8 @@ class Followers:
         if self.listener is None:
             return
         token = os.environ.get(RANK_TOKEN_ENV, "").encode()
+        if not token:
+            raise RanksBroken(f"tensor parallelism over hosts needs ${RANK_TOKEN_ENV}, alike on every host")
         expected = range(len(self.conns) + 1, len(self.procs) + 1)
         got: dict[int, Connection] = {}
         with self.listener:
@@ -465,15 +468,22 @@ def run_host(model_dir: str, engine: EngineConfig) -> int:
 
 def wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
     """A host's processes of the engine, once they all ended: 0 if each did cleanly, else the largest
-    exit code (a signal's number); any left running when this is interrupted are killed."""
+    exit code (a signal's number). Interrupted (Ctrl-C, or SIGTERM from a service manager: the cores
+    ignore it, their fronts drain them), any left running are killed: none outlives this process."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         codes = [proc.wait() for proc in procs]
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     return max((abs(c) for c in codes), default=0)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 IDLE_POLL_S = 0.002  # how often idle cores check whether another core has a step

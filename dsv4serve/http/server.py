@@ -113,7 +113,13 @@ async def serve_http(
         engine = (
             run_engine
             if front is None
-            else partial(run_engine, links=front.links, attach=front.attach, index=front.index)
+            else partial(
+                run_engine,
+                links=front.links,
+                attach=front.attach,
+                index=front.index,
+                num_fronts=http.api_server_count,
+            )
         )
         handle: EngineHandle = await nursery.start(engine, options)
         app_options = AppOptions(

@@ -32,7 +32,6 @@ from dsv4serve.backends.npu.mla import GraphOps, npu_mla_attention
 from dsv4serve.backends.npu.norm import npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
-from dsv4serve.backends.npu.split_norm import qkv_split_norm
 from dsv4serve.config import ConfigError
 
 # Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
@@ -207,7 +206,9 @@ def backend(npu: ModuleType | None = None) -> Backend:
     families: dict[str, Any] = {}
     tritons = triton_ascend()
     log.info("npu_triton", triton_ascend=tritons)  # GLM's fused split + norm compiles with it
-    if tritons:
+    if tritons:  # (imported here: the npu backend needs no triton otherwise)
+        from dsv4serve.backends.npu.split_norm import qkv_split_norm
+
         families["mla.qkv_split_norm"] = partial(qkv_split_norm, fallback=reference.mla.qkv_split_norm)
     for family, ops in FAMILY_OPS.items():
         if gen[family] is None:

@@ -239,7 +239,8 @@ def _captured(
     common = _common(cache, step, dims, heads)
     args = (query.view(B, 1, heads, LATENT), common.pop("key"), common.pop("value"))
     common |= {"query_rope": query_rope.view(B, 1, heads, ROPE), "input_layout": "BSND", "sparse_mode": 0}
-    workspace = graphs.workspace(*args, **common)
+    longest = common | {"actual_seq_lengths_kv": [meta.key_slots.shape[1]] * B}  # the bucket's
+    workspace = graphs.workspace(*args, **longest)
     out = torch.empty(B, 1, heads, LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(1, dtype=q.dtype, device=q.device)  # (no softmax_lse at MLA's D 512)
     rt = graphs.runtime
