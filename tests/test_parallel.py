@@ -8,6 +8,7 @@ cut of its float value, and the routes to a rank's experts."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -100,24 +101,38 @@ def test_serve_http_with_two_ranks(tiny_model_dir: Path, ranks: list[str]) -> No
         assert server.wait(timeout=60) == 0
 
 
-def test_a_core_of_another_host_with_other_flags_stops_the_start(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Host 1 started with another page size than host 0: host 0's front refuses its core, naming the
-    cause, instead of serving two cores that disagree."""
-    port = _master_port()
+@pytest.mark.parametrize("case", ["ok", "flags", "fronts", "token", "rank", "garbage"])
+def test_a_core_of_another_host_is_checked_by_its_hello(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a front makes of a dialing peer's hello: a core of this engine is taken (its frames follow);
+    one with other engine flags (another page size) or another count of fronts stops the start, naming
+    the cause; a wrong token, a rank not expected or bytes that are no hello: a stranger, closed on."""
+    import trio.testing
+
+    from dsv4serve.actors.core_process import engine_digest, hello_frame
+    from dsv4serve.actors.front import _hello
+
     monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "s3cret")
-    layout = {"data_parallel_size": 2, "expert_parallel_size": 2, "nnodes": 2, "master_port": port}
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in layout.items()]
-    argv = [sys.executable, "-m", "dsv4serve", "ranks", "--model", str(tiny_model_dir), "--node-rank", "1"]
-    host1 = subprocess.Popen([*argv, "--page-size", "32", "--max-total-tokens", "4096", *flags])
-    try:
-        with pytest.raises(BaseException) as caught:
-            Engine(tiny_model_dir, page_size=16, max_total_tokens=4096, **layout).close()
-        assert _died_of(caught.value, "other engine flags"), caught.value
-    finally:
-        if host1.poll() is None:
-            host1.kill()
+    hosts = {"data_parallel_size": 2, "expert_parallel_size": 2, "nnodes": 2, "master_port": 5000}
+    engine = EngineConfig(page_size=16, **hosts)
+    digest = engine_digest(dataclasses.replace(engine, page_size=32) if case == "flags" else engine)
+    if case == "token":
+        monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "wrong")
+    hello = hello_frame(0 if case == "rank" else 1, 2 if case == "fronts" else 1, digest)
+    sent = b"GET / HTTP/1.1\r\n\r\n" if case == "garbage" else hello
+
+    async def main() -> tuple[int | None, Any]:
+        ours, theirs = trio.testing.memory_stream_pair()
+        await theirs.send_all(sent)
+        await theirs.send_eof()
+        return await _hello(ours, b"s3cret", [1], engine, 1)  # type: ignore[arg-type]
+
+    if case in ("flags", "fronts"):
+        cause = "other engine flags" if case == "flags" else "dials 2 fronts, this host runs 1"
+        with pytest.raises(EngineCoreDied, match=cause):
+            trio.run(main)
+        return
+    rank, _ = trio.run(main)
+    assert rank == (1 if case == "ok" else None)
 
 
 def test_a_local_core_dying_while_the_other_hosts_load_stops_the_start(
@@ -130,10 +145,12 @@ def test_a_local_core_dying_while_the_other_hosts_load_stops_the_start(
     monkeypatch.setenv("DSV4SERVE_RANK_TOKEN", "s3cret")
     layout = {"data_parallel_size": 2, "expert_parallel_size": 2, "nnodes": 2, "master_port": _master_port()}
 
+    earlier = set(_pids(tiny_model_dir, b'"dp_rank":0'))  # an earlier test's, exiting
+
     def kill_core_0() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            pids = _pids(tiny_model_dir, b'"dp_rank":0')
+            pids = [pid for pid in _pids(tiny_model_dir, b'"dp_rank":0') if pid not in earlier]
             if pids:
                 time.sleep(1.0)  # loading, or waiting for its peers
                 os.kill(pids[0], signal.SIGKILL)
