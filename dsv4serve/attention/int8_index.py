@@ -12,6 +12,7 @@ plus a 2-byte scale per entry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,16 +43,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf / safe).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def rotate_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotation (in x's dtype, as the model computes it), then `quantize_rows`; the scale in fp16."""
-    q, scale = quantize_rows(hadamard_transform(x))
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x -> (int8, fp32 scale a row)
+
+
+def rotate_quantize(x: torch.Tensor, quant: Quantize = quantize_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation (in x's dtype, as the model computes it), then `quant` (`quantize_rows`, or a
+    device's op of the same contract: `npu_dynamic_quant`); the scale in fp16."""
+    q, scale = quant(hadamard_transform(x))
     return q, scale.half()
 
 
-def store_rows(out: torch.Tensor | Int8Rows, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def store_rows(
+    out: torch.Tensor | Int8Rows, slots: torch.Tensor, rows: torch.Tensor, quant: Quantize = quantize_rows
+) -> None:
     """rows (N, D) written at `slots` of `out`: as they are, or rotated and quantized into int8 rows."""
     if isinstance(out, Int8Rows):
-        q, scale = rotate_quantize(rows)
+        q, scale = rotate_quantize(rows, quant)
         out.data.index_copy_(0, slots, q)
         out.scale.index_copy_(0, slots, scale[:, None])
     else:

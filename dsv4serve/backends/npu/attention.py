@@ -39,8 +39,7 @@ from typing import Any
 import torch
 
 from dsv4serve.attention import dsv4
-from dsv4serve.attention.hadamard import hadamard_transform
-from dsv4serve.attention.int8_index import Int8Rows
+from dsv4serve.attention.int8_index import Int8Rows, Quantize, rotate_quantize
 from dsv4serve.attention.step import StepMeta
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
@@ -197,7 +196,7 @@ def npu_indexer_topk(
     *,
     op: Callable[..., Any],
     quant_op: Callable[..., Any] | None,
-    quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    quant: Quantize,
     shared: PerStep,
 ) -> torch.Tensor:
     """The lightning indexer on torch_npu's `npu_lightning_indexer` (op-plugin doc; ops-transformer's
@@ -236,9 +235,9 @@ def npu_indexer_topk(
     }  # fmt: skip
     if isinstance(keys, Int8Rows):
         assert quant_op is not None
-        qi, q_scale = quant(hadamard_transform(q))  # (T, 64, 128) int8, (T, 64) fp32
+        qi, q_scale = rotate_quantize(q, quant)  # (T, 64, 128) int8, (T, 64) fp16
         picks = quant_op(
-            qi, keys.data.view(-1, page, 1, INDEX_DIM), (head_w.float() * scale).half(), q_scale.half(),
+            qi, keys.data.view(-1, page, 1, INDEX_DIM), (head_w.float() * scale).half(), q_scale,
             keys.scale.view(-1, page, 1), query_quant_mode=0, key_quant_mode=0, **paged,
         )  # fmt: skip
     else:

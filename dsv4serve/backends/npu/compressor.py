@@ -42,8 +42,7 @@ import torch
 
 from dsv4serve.attention import core, dsv4
 from dsv4serve.attention.compressor import CompressorWeights
-from dsv4serve.attention.hadamard import hadamard_transform
-from dsv4serve.attention.int8_index import Int8Rows
+from dsv4serve.attention.int8_index import Int8Rows, Quantize, store_rows
 from dsv4serve.attention.rope import apply_rope
 from dsv4serve.attention.step import StepMeta
 from dsv4serve.backends.npu.attention import PerStep
@@ -155,7 +154,7 @@ def npu_compressor(
     op: Callable[..., Any],
     fused: bool,
     shared: PerStep,
-    quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    quant: Quantize,
 ) -> None:
     """Project, close this step's windows into `out` and persist the state rows later steps need (the
     int8 indexer's keys quantized by `quant`, torch_npu's `npu_dynamic_quant`)."""
@@ -177,9 +176,4 @@ def npu_compressor(
     else:
         pooled = op(x, w.wkv, w.wgate, state_cache, w.ape.float(), ratio, **paged)  # (T, D)
         entries = apply_rope(core.rms_norm(pooled, w.norm, eps), plan.cos, plan.sin)
-    if isinstance(out, Int8Rows):  # the int8 indexer's keys: rotated, then `npu_dynamic_quant` per row
-        q, scale = quant(hadamard_transform(entries.to(x.dtype)))
-        out.data.index_copy_(0, plan.slots, q)
-        out.scale.index_copy_(0, plan.slots, scale.half()[:, None])
-    else:
-        out.index_copy_(0, plan.slots, entries.to(out.dtype))
+    store_rows(out, plan.slots, entries.to(x.dtype), quant)  # int8 keys: `npu_dynamic_quant` per row
