@@ -55,6 +55,7 @@ from dsv4serve.actors.system import (
     device_parts,
     start_engine_actors,
 )
+from dsv4serve.backends import share_host
 from dsv4serve.config import EngineConfig
 from dsv4serve.executor.ranks import RANK_TOKEN_ENV, Place, dial, wait_all
 from dsv4serve.executor.runner import ModelRunner
@@ -192,6 +193,8 @@ def main(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the front's (a service manager
         signal.signal(signum, signal.SIG_IGN)  # signals the whole group): it drains us over the socket
     logs.configure(options.log_level, stream=sys.stderr)
+    engine = EngineConfig(**options.engine)
+    share_host(engine.device, engine.ranks_per_node)
     if argv[0].startswith("connect:"):  # dialed once loaded (ranks joined): no idle links meanwhile
         links = partial(connect_to_fronts, options, int(argv[0].removeprefix("connect:")))
     else:

@@ -97,7 +97,7 @@ def join_group(engine: EngineConfig, collectives: str, place: Place) -> Joined:
     the cores (whose tokens each MoE layer gathers) and the cores' leaders (a gloo group)."""
     tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
     world, me = tp * dp, place.global_rank(engine)
-    share_host(engine.device, world)
+    share_host(engine.device, engine.ranks_per_node)
     device = torch.device(place.device(engine))
     if device.index is not None:  # the rank's accelerator, for the collectives' own buffers
         torch.accelerator.set_device_index(device.index)

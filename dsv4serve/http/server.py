@@ -5,8 +5,9 @@ SIGTERM under `run`, or `HttpServer.begin_drain()`): new generation requests get
 flight finish; then the server stops listening and the engine drains and stops.
 
 Several front processes (`HttpOptions.api_server_count`, `serve --http --api-server-count N`): each
-runs this server, its own tokenizer and detokenizer, and accepts from one listening socket; the first
-one binds it, starts the engine cores (one socket per front each: `FrontLinks`) and the other fronts
+runs this server, its own tokenizer and detokenizer, and accepts on one port through a listening socket
+of its own (SO_REUSEPORT: the kernel spreads new connections over the fronts); the first one binds them
+all, starts the engine cores (one socket per front each: `FrontLinks`) and the other fronts
 (`python -m dsv4serve.http.server`), forwards every signal to them and exits after them. A front that
 dies is logged (`front_died`); the cores cancel its requests and the others go on serving.
 """
@@ -226,18 +227,20 @@ async def _main_of_fronts(options: SystemOptions, http: HttpOptions) -> None:
     if not options.core_process:
         raise ValueError("api_server_count > 1 needs the engine core in a process of its own")
     structlog.contextvars.bind_contextvars(front=0)
-    listener = _listen(http.host, http.port)
+    listeners = _bind(http.host, http.port, http.api_server_count)
     links = FrontLinks.make(http.api_server_count, len(options.engine.host_cores))
     others: list[trio.Process] = []
     try:
         for index in range(1, http.api_server_count):
-            others.append(await _start_front(options, http, index, listener, links.fronts[index]))
+            others.append(await _start_front(options, http, index, listeners[index], links.fronts[index]))
     finally:
         for ends in links.fronts[1:]:
             for end in ends:
                 end.close()
+        for listener in listeners[1:]:
+            listener.close()
     try:
-        await _main(options, http, _Front(listener.detach(), links=links), others)
+        await _main(options, http, _Front(listeners[0].detach(), links=links), others)
     finally:
         with trio.CancelScope(shield=True):
             for other in others:
@@ -248,17 +251,44 @@ async def _main_of_fronts(options: SystemOptions, http: HttpOptions) -> None:
                     await other.wait()
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """The listening socket every front accepts from (TCP_NODELAY, as hypercorn sets on its own)."""
+def _bind(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` sockets bound to one port, one per front (TCP_NODELAY, as hypercorn sets on its own).
+
+    Each has SO_REUSEPORT, so the kernel spreads new connections over the fronts by address hash: from
+    one shared socket, whichever front is awake would accept a whole burst alone. The port is first
+    bound without SO_REUSEPORT, so one that another server holds (with SO_REUSEPORT or not) fails here
+    instead of sharing its connections with it; the first front's socket listens at once, which keeps
+    the port ours. The others listen once their server is up: no connection waits on a front still
+    starting."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(address)
-    sock.listen(LISTEN_BACKLOG)
-    return sock
+
+    def bound(address: Any, reuse_port: bool) -> socket.socket:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.bind(address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    with bound(address, reuse_port=False) as probe:
+        address = probe.getsockname()  # the port the kernel chose, for port 0
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            socks.append(bound(address, reuse_port=True))
+        socks[0].listen(LISTEN_BACKLOG)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 async def _start_front(
