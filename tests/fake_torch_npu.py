@@ -104,6 +104,17 @@ def fake_rms_norm(
     return (xf * rstd * gamma.float()).to(x.dtype), rstd
 
 
+def fake_add_rms_norm(
+    x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`torch_npu.npu_add_rms_norm` (op-plugin doc `torch_npu-npu_add_rms_norm.md`): the sum computed
+    and rounded in the inputs' dtype, then `npu_rms_norm` of it; returns (y, rstd, sum)."""
+    assert x1.dtype == x2.dtype and x1.shape == x2.shape
+    total = x1 + x2
+    y, rstd = fake_rms_norm(total, gamma, epsilon)
+    return y, rstd, total
+
+
 def _rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
     a, b = x[..., ::2], x[..., 1::2]
     return torch.stack((-b, a), -1).flatten(-2)
@@ -838,6 +849,7 @@ FAKES = {
     "npu_moe_token_unpermute": fake_token_unpermute,
     "npu_moe_gating_top_k": fake_gating_top_k,
     "npu_rms_norm": fake_rms_norm,
+    "npu_add_rms_norm": fake_add_rms_norm,
     "npu_rotary_mul": fake_rotary_mul,
     "npu_lightning_indexer": fake_lightning_indexer,
     "npu_fused_infer_attention_score": fake_fused_infer_attention_score,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,26 @@ def test_rms_norm_matches_reference(dtype: str) -> None:
         assert got.dtype == ref.dtype
         torch.testing.assert_close(
             got.float(), ref.float(), atol=1e-5, rtol=1e-2 if dtype != "float32" else 1e-5
+        )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_add_rms_norm_matches_reference(dtype: str) -> None:
+    """The sum bit for bit (torch's add rounds the same way); its norm as `rms_norm`'s; a delta
+    with a row stride of its own."""
+    gen = torch.Generator().manual_seed(1)
+    for rows, n in ((1, 48), (9, 64), (5, 100)):
+        x = on_device((torch.randn(rows, n, generator=gen) * 3).to(getattr(torch, dtype)))
+        delta = on_device(torch.randn(rows, 2 * n, generator=gen).to(x.dtype))[:, :n]
+        w = on_device(torch.randn(n, generator=gen).to(x.dtype))
+        (total, normed), (want_total, want_normed) = (
+            kt.add_rms_norm(x, delta, w, 1e-6),
+            core.add_rms_norm(x, delta, w, 1e-6),
+        )
+        assert torch.equal(total, want_total) and normed.dtype == want_normed.dtype
+        torch.testing.assert_close(normed, kt.rms_norm(want_total, w, 1e-6), atol=0, rtol=0)
+        torch.testing.assert_close(
+            normed.float(), want_normed.float(), atol=1e-5, rtol=1e-2 if dtype != "float32" else 1e-5
         )
 
 
@@ -74,3 +96,26 @@ def test_kv_norm_rope_store_writes_the_same_slots(state_mode: str, dtype: str, h
     reference.kv_norm_rope_store(kv, w, want, case.ref, True, 1e-6)
     kt.kv_norm_rope_store(kv, w, pool, case.fused, True, 1e-6)
     _same(pool, want)
+
+
+def test_glm_through_the_norm_kernels_is_the_references(tmp_path: Path) -> None:
+    """A tiny GLM in bf16 with the CUDA backend's norm kernels (its residual adds fused into them) in
+    place of the reference's: the reference's greedy tokens, its logits within bf16's rounding."""
+    from dataclasses import replace
+
+    from golden_harness import compare, engine_traces, random_chunker
+
+    from dsv4serve.backends import reference
+    from dsv4serve.config import EngineConfig
+    from dsv4serve.executor.runner import ModelRunner
+    from dsv4serve.models.glm4_moe_lite.tiny import make_tiny_glm
+
+    model_dir = make_tiny_glm(tmp_path, 3, dtype="bfloat16", vocab_size=512)
+    prompts = [[(7 * i + 3) % 509 + 3 for i in range(n)] for n in (3, 40)]
+    engine = EngineConfig(dtype="bfloat16", page_size=16, max_num_seqs=2, max_total_tokens=512, graphs=False)
+    want = engine_traces(model_dir, prompts, 4, engine, chunk=random_chunker(5, 3, 24))
+    ops = replace(reference.backend(), rms_norm=kt.rms_norm, add_rms_norm=kt.add_rms_norm)
+    runner = ModelRunner(model_dir, engine, ops=ops)
+    got = engine_traces(model_dir, prompts, 4, engine, chunk=random_chunker(5, 3, 24), runner=runner)
+    worst = max(compare(w, g) for w, g in zip(want, got, strict=True))  # asserts the same tokens
+    assert worst < 0.25, worst

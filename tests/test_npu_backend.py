@@ -79,14 +79,15 @@ def _family(ops: Any, name: str) -> Any:
 def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> None:
     """The families the npu backend maps (the rest run the reference until they are built)."""
     ops = select("npu")
-    names = ["linear", "rms_norm", "gating_top_k", "routed_experts"]
+    names = ["linear", "rms_norm", "add_rms_norm", "gating_top_k", "routed_experts"]
     names += [f"dsv4.{f.name}" for f in dataclasses.fields(REFERENCE.dsv4)]
     names += [f"mla.{f.name}" for f in dataclasses.fields(REFERENCE.mla)]
     mapped = {f for f in names if _family(ops, f) is not _family(REFERENCE, f)}
     assert mapped == set(FAMILY_OPS)
-    assert mapped == {"linear", "rms_norm", "gating_top_k", "routed_experts", "dsv4.rope", "dsv4.q_norm_rope",
-                      "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post", "dsv4.compressor",
-                      "dsv4.sparse_attention", "dsv4.indexer_topk", "mla.attention"}  # fmt: skip
+    assert mapped == {"linear", "rms_norm", "add_rms_norm", "gating_top_k", "routed_experts", "dsv4.rope",
+                      "dsv4.q_norm_rope", "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post",
+                      "dsv4.compressor", "dsv4.sparse_attention", "dsv4.indexer_topk",
+                      "mla.attention"}  # fmt: skip
 
 
 @pytest.mark.parametrize("op", NPU_OPS)
@@ -108,6 +109,17 @@ def test_rms_norm_is_the_reference(fake_npu: dict[str, int], dtype: torch.dtype)
     got = select("npu").rms_norm(x, w, 1e-6)
     assert got.dtype == dtype and torch.equal(got, REFERENCE.rms_norm(x, w, 1e-6))
     assert fake_npu["npu_rms_norm"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_reference(fake_npu: dict[str, int], dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    x, delta = ((torch.randn(9, 64, generator=gen) * 4).to(dtype) for _ in range(2))
+    w = torch.rand(64, generator=gen) + 0.5
+    total, normed = select("npu").add_rms_norm(x, delta, w, 1e-6)
+    want_total, want_normed = REFERENCE.add_rms_norm(x, delta, w, 1e-6)
+    assert torch.equal(total, want_total) and torch.equal(normed, want_normed) and total.dtype == dtype
+    assert fake_npu["npu_add_rms_norm"] == 1
 
 
 @pytest.mark.parametrize("state_mode", ["paged", "ring"])

@@ -197,7 +197,7 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
     worst = max(compare(w, g) for w, g in zip(want, got, strict=True))  # asserts the same tokens
     assert worst < 0.25, worst  # a few bf16 steps
     assert worst < min(_margins(want)), "every pick leads its runner-up by more than any deviation"
-    assert calls[OP] > 0
+    assert calls[OP] > 0 and calls["npu_add_rms_norm"] > 0
     assert bool(launches) == tritons
     if graphs:
         assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"

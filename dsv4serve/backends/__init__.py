@@ -53,6 +53,13 @@ class RmsNorm(Protocol):
     def __call__(self, x: Tensor, weight: Tensor, eps: float, /) -> Tensor: ...
 
 
+class AddRmsNorm(Protocol):
+    """(x + delta, rms_norm(x + delta)): the residual stream's sum (rounded to x's dtype before the norm
+    reads it) and its norm, in one op."""
+
+    def __call__(self, x: Tensor, delta: Tensor, weight: Tensor, eps: float, /) -> tuple[Tensor, Tensor]: ...
+
+
 class GatingTopK(Protocol):
     def __call__(
         self,
@@ -290,6 +297,7 @@ class Backend:
     name: str
     linear: Linear
     rms_norm: RmsNorm
+    add_rms_norm: AddRmsNorm
     gating_top_k: GatingTopK
     routed_experts: RoutedExperts
     dsv4: Dsv4Ops

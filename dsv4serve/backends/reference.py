@@ -91,6 +91,7 @@ def backend() -> Backend:
         name="reference",
         linear=linear,
         rms_norm=core.rms_norm,
+        add_rms_norm=core.add_rms_norm,
         gating_top_k=gating_top_k,
         routed_experts=routed_experts_reference,
         dsv4=DSV4,

@@ -20,6 +20,7 @@ def backend() -> Backend:
         name="cuda",
         linear=linear.linear,
         rms_norm=norm_rope.rms_norm,
+        add_rms_norm=norm_rope.add_rms_norm,
         gating_top_k=routing.gating_top_k,
         routed_experts=experts.routed_experts,
         dsv4=Dsv4Ops(

@@ -18,13 +18,32 @@ NONE, UNWEIGHTED, WEIGHTED = 0, 1, 2
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+    x_ptr,
+    d_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    N,
+    stride_x,
+    stride_d,
+    stride_o,
+    stride_s,
+    eps,
+    ADD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """One row's RMSNorm; with ADD, of x + d (stored, rounded to x's dtype first, as torch's add)."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD:
+        d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    x = x.to(tl.float32)
     scale = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * (x * scale)).to(out_ptr.dtype.element_ty), mask=mask)
@@ -32,24 +51,48 @@ def _rms_norm_kernel(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Weighted RMSNorm over the last dim, fp32 inside, x's dtype out."""
+    return _norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its weighted RMSNorm) in one kernel: the sum as torch rounds it, then normed."""
+    assert delta.shape == x.shape and delta.dtype == x.dtype, (delta.shape, x.shape, delta.dtype, x.dtype)
+    total, normed = _norm(x, delta, weight, eps)
+    assert total is not None
+    return total, normed
+
+
+def _norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     assert rows.stride(-1) == 1 and weight.shape == (n,) and weight.is_contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    adds = delta.reshape(-1, n) if delta is not None else rows
+    assert adds.stride(-1) == 1
+    total = torch.empty_like(out) if delta is not None else out
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
             rows,
+            adds,
             weight,
             out,
+            total,
             n,
             rows.stride(0),
+            adds.stride(0),
             out.stride(0),
+            total.stride(0),
             eps,
+            ADD=delta is not None,
             BLOCK=pow2(n),
             num_warps=4,
             **launch_options(rows),
         )
-    return out.view(x.shape)
+    return (total.view(x.shape) if delta is not None else None), out.view(x.shape)
 
 
 @triton.jit

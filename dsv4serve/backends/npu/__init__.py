@@ -29,7 +29,7 @@ from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
 from dsv4serve.backends.npu.mhc import npu_hc_post, npu_hc_pre
 from dsv4serve.backends.npu.mla import GraphOps, npu_mla_attention
-from dsv4serve.backends.npu.norm import npu_rms_norm
+from dsv4serve.backends.npu.norm import npu_add_rms_norm, npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
 from dsv4serve.config import ConfigError
@@ -52,6 +52,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     ),
     "gating_top_k": ("npu_moe_gating_top_k",),
     "rms_norm": ("npu_rms_norm",),
+    "add_rms_norm": ("npu_add_rms_norm",),
     "dsv4.rope": ("npu_rotary_mul",),
     "dsv4.q_norm_rope": ("npu_rotary_mul",),
     "dsv4.kv_norm_rope_store": ("npu_rms_norm", "npu_rotary_mul"),
@@ -161,6 +162,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
         ),
         "gating_top_k": partial(npu_gating_top_k, npu=npu, fallback=reference.gating_top_k),
         "rms_norm": partial(npu_rms_norm, npu=npu),
+        "add_rms_norm": partial(npu_add_rms_norm, npu=npu),
         "dsv4.rope": partial(npu_rope, npu=npu),
         "dsv4.q_norm_rope": partial(npu_q_norm_rope, npu=npu),
         "dsv4.kv_norm_rope_store": partial(npu_kv_norm_rope_store, npu=npu),

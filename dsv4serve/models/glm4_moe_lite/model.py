@@ -120,14 +120,15 @@ class Glm4MoeLite:
     def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
         """Logits (S, vocab) of the sampled tokens, or (T, vocab) for every token if all_logits."""
         meta = self.ops.mla.prepare(batch, self.table, self.inv_freq)  # all layers
-        x = self.embed[batch.input_ids]  # (T, hidden)
-        eps = self.cfg.rms_norm_eps
-        for layer, cache in zip(self.layers, self.caches, strict=True):
-            x = x + self._attention(self.ops.rms_norm(x, layer.in_norm, eps), layer.attn, cache, meta)
-            x = x + self._mlp(self.ops.rms_norm(x, layer.post_norm, eps), layer.mlp, batch.cores_tokens)
-        if not all_logits:
-            x = x[batch.sample_index]
-        return self.ops.linear(self.ops.rms_norm(x, self.norm, eps), self.head)
+        x = self.embed[batch.input_ids]  # (T, hidden): the residual stream
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        h = ops.rms_norm(x, self.layers[0].in_norm, eps)  # (num_layers > 0: the config's check)
+        # each block's output joins the stream in the op that norms the stream for the next block
+        after = [layer.in_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, cache, norm in zip(self.layers, self.caches, after, strict=True):
+            x, h = ops.add_rms_norm(x, self._attention(h, layer.attn, cache, meta), layer.post_norm, eps)
+            x, h = ops.add_rms_norm(x, self._mlp(h, layer.mlp, batch.cores_tokens), norm, eps)
+        return ops.linear(h if all_logits else h[batch.sample_index], self.head)
 
     def _attention(self, x: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: MlaMeta) -> torch.Tensor:
         ops, d = self.ops, self.dims
