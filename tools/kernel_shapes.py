@@ -63,6 +63,7 @@ def _one(changes: dict[str, Any], steps: list[tuple[int, int]], dtype: str) -> N
     meta = dsv4.prepare(case.batch, case.step_tables(), case.rope, cfg.sliding_window)
     x = torch.randn(T, hidden).to(tdt)
     ops.rms_norm(x, torch.ones(hidden, dtype=tdt), 1e-6)
+    ops.add_rms_norm(x, torch.randn_like(x), torch.ones(hidden, dtype=tdt), 1e-6)
     for q_lora in (768, None):  # GLM-4.7-Flash's fused split + q_a / kv_a norm
         q_norm = torch.ones(q_lora) if q_lora else None
         ops.mla.qkv_split_norm(

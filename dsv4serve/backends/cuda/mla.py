@@ -103,11 +103,12 @@ def _rotate(src, dst, cos, sin, j, jmask, HALF, DTYPE: tl.constexpr):
 @triton.jit
 def _rope_store_kernel(
     q_ptr, kv_ptr, pe_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, H, L, HALF, stride_qt, stride_qh,
-    stride_kv, stride_pe, stride_cos, stride_cache, BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    stride_kv, stride_pe, stride_cos, stride_cache, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One token: its q_pe heads rotated in place, its row [c | rotated k_pe] written at its slot of
-    the latent pool."""
+    """One token: its q_pe heads rotated in place (all heads in one block: a loop over them left a
+    batch-1 step waiting on each head's loads in turn), its row [c | rotated k_pe] written at its slot
+    of the latent pool."""
     enter(PDL)
     DTYPE = q_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
@@ -115,10 +116,10 @@ def _rope_store_kernel(
     jmask = j < HALF
     cos = tl.load(cos_ptr + t * stride_cos + j, mask=jmask, other=0.0).to(DTYPE).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_cos + j, mask=jmask, other=0.0).to(DTYPE).to(tl.float32)
-    for h in range(0, H):
-        head = q_ptr + t * stride_qt + h * stride_qh
-        _rotate(head, head, cos, sin, j, jmask, HALF, DTYPE)
-        tl.debug_barrier()  # this head's stores before the next head's loads (no overlap, but keep order)
+    h = tl.arange(0, BLOCK_H)
+    heads = q_ptr + t * stride_qt + h[:, None] * stride_qh  # (BLOCK_H, 1)
+    both = (h < H)[:, None] & jmask[None, :]
+    _rotate(heads, heads, cos[None, :], sin[None, :], j[None, :], both, HALF, DTYPE)
     row = cache_ptr + tl.load(slots_ptr + t).to(tl.int64) * stride_cache
     l = tl.arange(0, BLOCK_L)
     c = tl.load(kv_ptr + t * stride_kv + l, mask=l < L)
@@ -137,7 +138,7 @@ def rope_store(q_pe: torch.Tensor, latents: QkvLatents, cache: torch.Tensor, met
         return
     _rope_store_kernel[(T,)](
         q_pe, kv, k_pe, meta.cos, meta.sin, meta.write_slots, cache, H, L, R // 2, q_pe.stride(0),
-        q_pe.stride(1), kv.stride(0), k_pe.stride(0), meta.cos.stride(0), cache.stride(0),
+        q_pe.stride(1), kv.stride(0), k_pe.stride(0), meta.cos.stride(0), cache.stride(0), BLOCK_H=pow2(H),
         BLOCK_L=pow2(L, 16), BLOCK_HALF=pow2(R // 2, 16), num_warps=4, **launch_options(q_pe),
     )  # fmt: skip
 
