@@ -5,7 +5,7 @@
 #   bench  - benchmarks/bench_decode.py (JSON to $OUT/bench.json and stdout)
 #   kernels - benchmarks/bench_kernels.py [--mhc | --moe] (tile sweeps, JSON to stdout)
 #   glm    - bench_decode.py --model glm4_moe_lite with prefills 1x8192 and 8x1024 (JSON to $OUT/glm.json)
-#   mla    - GLM's kernel and golden tests on CUDA, with MLA_SWEEP=1 bench_mla.py --sweep (launch choices
+#   mla    - GLM's kernel (MLA, norms) and golden tests on CUDA, with MLA_SWEEP=1 bench_mla.py --sweep (launch choices
 #            of the MLA kernels), bench_mla.py (one layer's MLA attention) ($OUT/mla*.json), then
 #            bench_long_prompt.py (one 131,072-token GLM prompt through the engine against
 #            transformers, $OUT/long.json)
@@ -49,7 +49,8 @@ glm)
     ;;
 mla)
     DSV4SERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mla.py \
-        tests/test_golden_glm.py tests/test_pool_poison.py tests/test_glm_ops.py 2>&1 | tee "$OUT/glm_tests.log" | tail -8
+        tests/test_kernels_norm_rope.py tests/test_golden_glm.py tests/test_pool_poison.py tests/test_glm_ops.py 2>&1 \
+        | tee "$OUT/glm_tests.log" | tail -8
     [ "${MLA_SWEEP:-0}" = 1 ] && timeout 170 python3 benchmarks/bench_mla.py --sweep --out "$OUT/mla_sweep.json" | tail -1
     timeout 60 python3 benchmarks/bench_mla.py --out "$OUT/mla.json" | tail -1
     timeout 150 python3 benchmarks/bench_long_prompt.py --out "$OUT/long.json" 2>&1 | tail -3

@@ -10,7 +10,7 @@ import torch
 from dsv4serve.attention import core
 from dsv4serve.attention import dsv4 as reference
 from dsv4serve.backends.cuda import norm_rope as kt
-from tests.kernel_cases import kernel_model, make_case, on_device
+from tests.kernel_cases import DEVICE, kernel_model, make_case, on_device
 
 STEPS = [(0, 7), (5, 1), (13, 3), (30, 1)]
 
@@ -100,7 +100,8 @@ def test_kv_norm_rope_store_writes_the_same_slots(state_mode: str, dtype: str, h
 
 def test_glm_through_the_norm_kernels_is_the_references(tmp_path: Path) -> None:
     """A tiny GLM in bf16 with the CUDA backend's norm kernels (its residual adds fused into them) in
-    place of the reference's: the reference's greedy tokens, its logits within bf16's rounding."""
+    place of the reference's, on the test device: the reference's greedy tokens, its logits within
+    bf16's rounding."""
     from dataclasses import replace
 
     from golden_harness import compare, engine_traces, random_chunker
@@ -112,10 +113,15 @@ def test_glm_through_the_norm_kernels_is_the_references(tmp_path: Path) -> None:
 
     model_dir = make_tiny_glm(tmp_path, 3, dtype="bfloat16", vocab_size=512)
     prompts = [[(7 * i + 3) % 509 + 3 for i in range(n)] for n in (3, 40)]
-    engine = EngineConfig(dtype="bfloat16", page_size=16, max_num_seqs=2, max_total_tokens=512, graphs=False)
-    want = engine_traces(model_dir, prompts, 4, engine, chunk=random_chunker(5, 3, 24))
-    ops = replace(reference.backend(), rms_norm=kt.rms_norm, add_rms_norm=kt.add_rms_norm)
-    runner = ModelRunner(model_dir, engine, ops=ops)
-    got = engine_traces(model_dir, prompts, 4, engine, chunk=random_chunker(5, 3, 24), runner=runner)
-    worst = max(compare(w, g) for w, g in zip(want, got, strict=True))  # asserts the same tokens
+    engine = EngineConfig(
+        device=DEVICE, dtype="bfloat16", page_size=16, max_num_seqs=2, max_total_tokens=512, graphs=False
+    )
+    traces = []
+    for ops in (
+        reference.backend(),
+        replace(reference.backend(), rms_norm=kt.rms_norm, add_rms_norm=kt.add_rms_norm),
+    ):
+        runner = ModelRunner(model_dir, engine, ops=ops)
+        traces.append(engine_traces(model_dir, prompts, 4, engine, random_chunker(5, 3, 24), runner))
+    worst = max(compare(w, g) for w, g in zip(*traces, strict=True))  # asserts the same tokens
     assert worst < 0.25, worst
