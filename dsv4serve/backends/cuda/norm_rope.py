@@ -59,14 +59,13 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, its weighted RMSNorm) in one kernel: the sum as torch rounds it, then normed."""
     assert delta.shape == x.shape and delta.dtype == x.dtype, (delta.shape, x.shape, delta.dtype, x.dtype)
-    total, normed = _norm(x, delta, weight, eps)
-    assert total is not None
-    return total, normed
+    return _norm(x, delta, weight, eps)
 
 
 def _norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its norm); without delta, (the norm, the norm): one tensor, the kernel's only output."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     assert rows.stride(-1) == 1 and weight.shape == (n,) and weight.is_contiguous()
@@ -92,7 +91,7 @@ def _norm(
             num_warps=4,
             **launch_options(rows),
         )
-    return (total.view(x.shape) if delta is not None else None), out.view(x.shape)
+    return total.view(x.shape), out.view(x.shape)
 
 
 @triton.jit
