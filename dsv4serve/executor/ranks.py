@@ -405,8 +405,14 @@ class Followers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+
+def leave_group() -> None:
+    """This process's part in the engine's collectives ended (its lockstep thread and ranks are done):
+    its process group is destroyed before the interpreter exits, whose teardown of a live group's
+    threads can abort the process (`terminate called without an active exception`, exit -6)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn_rank(

@@ -29,6 +29,7 @@ from dsv4serve.executor.ranks import (
     agree_min,
     idle_plan,
     join_group,
+    leave_group,
 )
 from dsv4serve.executor.sampling import SamplingBatch, sample, top_logprobs
 from dsv4serve.layers.linear import Weight, quantize_weights_int8, resident_bytes
@@ -307,13 +308,14 @@ class ModelRunner:
 
     def close(self, abort: bool = False) -> None:
         """Stop stepping with the other cores (`abort`: at once, the engine stopping on an error;
-        else once every core is done), then the core's other ranks, if any."""
+        else once every core is done), then the core's other ranks, if any; then it leaves the group."""
         if self.lockstep is not None:
             self.lockstep.close(abort)
             self.lockstep = None
         if self.followers is not None:
             self.followers.close()
             self.followers = None
+        leave_group()
 
     def replays(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` replays a graph already captured: an upload and a graph launch, a
