@@ -8,7 +8,7 @@
 #   mla    - GLM's kernel (MLA, norms) and golden tests on CUDA, with MLA_SWEEP=1 bench_mla.py --sweep (launch choices
 #            of the MLA kernels), bench_mla.py (one layer's MLA attention) ($OUT/mla*.json), then
 #            bench_long_prompt.py (one 131,072-token GLM prompt through the engine against
-#            transformers, $OUT/long.json)
+#            transformers, $OUT/long.json; LONG_PROMPT=0 skips it)
 #   native - issue 27's kernels: the FP8 / MXFP4 / int8 kernel tests on CUDA, bench_experts.py,
 #            bench_fp8.py, then bench_decode.py --weights for each of $WEIGHTS (default: official)
 #            ($OUT/{experts,fp8,<weights>}.json)
@@ -53,7 +53,7 @@ mla)
         | tee "$OUT/glm_tests.log" | tail -8
     [ "${MLA_SWEEP:-0}" = 1 ] && timeout 170 python3 benchmarks/bench_mla.py --sweep --out "$OUT/mla_sweep.json" | tail -1
     timeout 60 python3 benchmarks/bench_mla.py --out "$OUT/mla.json" | tail -1
-    timeout 150 python3 benchmarks/bench_long_prompt.py --out "$OUT/long.json" 2>&1 | tail -3
+    [ "${LONG_PROMPT:-1}" = 1 ] && timeout 150 python3 benchmarks/bench_long_prompt.py --out "$OUT/long.json" 2>&1 | tail -3
     ;;
 kernels)
     shift

@@ -433,16 +433,16 @@ def _sum_slots_kernel(y_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + t * HIDDEN + c, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tiles(num_pairs: int, fp32: bool, int8: bool, fp4: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row blocks for decode-sized batches (MXFP4 in bf16:
-    128 x 64, the best of bench_experts.py's sweep at 64 tokens on the H200, run 73)."""
+def _tiles(num_pairs: int, fp32: bool, int8: bool, fp4: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 16-row blocks for decode-sized batches (MXFP4
+    in bf16: 128 x 64, the best of bench_experts.py's sweep at 64 tokens on the H200, run 73)."""
     if num_pairs <= 2048:
         if fp4 and not fp32:
-            return 16, 128, 64, 4
-        return 16, 64, 32 if fp32 else (64 if int8 else 128), 4
+            return 16, 128, 64, 4, 3
+        return 16, 64, 32 if fp32 else (64 if int8 else 128), 4, 3
     if fp32:
-        return 64, 64, 32, 4
-    return 128, 128, 64, 8  # the fastest of bench_kernels.py's sweep on the H200
+        return 64, 64, 32, 4, 3
+    return 128, 128, 64, 8, 3  # the fastest of bench_kernels.py's sweep on the H200
 
 
 # prefill-sized bf16 experts through torch._grouped_mm (CUTLASS): 7.6 vs 8.2 ms per layer for 8 x 1024
@@ -622,7 +622,7 @@ def routed_experts(
     routed = ids.shape[1]
     top_k = routed + (shared is not None)
     num_pairs = T * top_k
-    bm, bn, bk, warps = _tiles(num_pairs, fp32, int8, fp4)
+    bm, bn, bk, warps, stages = _tiles(num_pairs, fp32, int8, fp4)
     pairs, block_expert = align(ids, num_experts + (shared is not None), bm, shared=shared is not None)
     num_blocks = block_expert.numel()
     h = torch.empty(num_blocks * bm, inter, dtype=x.dtype, device=x.device)
@@ -644,7 +644,7 @@ def routed_experts(
         a.stride(0), q1.stride(0), q3.stride(0), limit,
         INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=3, **launch_options(a),
+        num_warps=warps, num_stages=stages, **launch_options(a),
     )  # fmt: skip
     a2, a2_scale = quantize_rows(h) if int8 else (h, h)
     q2, s2 = _parts(w2)
@@ -657,7 +657,7 @@ def routed_experts(
         weights.contiguous(), y, num_pairs, num_experts, routed, hidden, inter, q2.stride(0),
         INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=3, **launch_options(a2),
+        num_warps=warps, num_stages=stages, **launch_options(a2),
     )  # fmt: skip
     out = torch.empty_like(x)
     block = min(pow2(hidden), 1024)
