@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 
 def free_port() -> int:
@@ -59,3 +60,30 @@ def test_serve_http_process_answers_and_drains_on_sigterm(tiny_model_dir: Path) 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_picks_its_fronts_by_device_and_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --http` without --api-server-count: on an accelerator of one host, a front per 4 CPU
+    cores up to 4 (one front lags the core at 64 streams); on the CPU, over hosts, with stdio or one
+    process, 1; a given count stays."""
+    import os
+
+    from dsv4serve.cli import auto_fronts, build_parser
+    from dsv4serve.config import EngineConfig
+
+    def fronts(*flags: str, cores: int = 16) -> int:
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        args = build_parser().parse_args(["serve", "--model", "m", *flags])
+        knobs = {f: getattr(args, f) for f in EngineConfig.__dataclass_fields__}
+        return auto_fronts(args, EngineConfig(**knobs))
+
+    assert fronts("--http", "--device", "cuda") == 4
+    assert fronts("--http", "--device", "cuda:1", cores=8) == 2
+    assert fronts("--http", "--device", "cuda", cores=2) == 1
+    assert fronts("--http", "--device", "npu", cores=64) == 4
+    assert fronts("--http") == 1  # the CPU computes: fronts would take its cores
+    assert fronts("--stdio", "--device", "cuda") == 1
+    assert fronts("--http", "--device", "cuda", "--single-process") == 1
+    hosts = ("--nnodes", "2", "--tensor-parallel-size", "2", "--master-port", "29500")
+    assert fronts("--http", "--device", "cuda", *hosts) == 1
+    assert fronts("--http", "--api-server-count", "3") == 3
