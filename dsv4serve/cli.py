@@ -359,7 +359,9 @@ def auto_fronts(args: argparse.Namespace, engine: EngineConfig) -> int:
     count), as many as the host's CPU cores allow (a front per CORES_PER_FRONT, at most AUTO_FRONTS_MAX)."""
     if args.api_server_count is not None:
         return int(args.api_server_count)
-    if not args.http or args.single_process or engine.device.partition(":")[0] == "cpu" or engine.nnodes > 1:
+    from dsv4serve.backends import computes_on_host
+
+    if not args.http or args.single_process or computes_on_host(engine.device) or engine.nnodes > 1:
         return 1
     return max(1, min(AUTO_FRONTS_MAX, (os.cpu_count() or 1) // CORES_PER_FRONT))
 

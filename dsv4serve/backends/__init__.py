@@ -317,13 +317,18 @@ def rank_device(device: str, rank: int) -> str:
     return device if kind == "cpu" else f"{kind}:{int(index or 0) + rank}"
 
 
+def computes_on_host(device: str) -> bool:
+    """Whether `device` is this host's CPU (the engine's arithmetic competes with its other processes)."""
+    return device.partition(":")[0] == "cpu"
+
+
 def share_host(device: str, ranks: int) -> None:
     """A process of its own that computes on this host's CPU (device `cpu`: an engine core or a rank),
     one of `ranks` there: each takes its share of the cores left after one for the server's other
     processes (the fronts, the parent). torch's default, every core in each, oversubscribes them: a
     worker thread waiting on a descheduled one spins, and a step took 80x as long beside one busy
     process (4.2 s against 53 ms, 2 cores). An $OMP_NUM_THREADS the user set is kept."""
-    if device.partition(":")[0] == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if computes_on_host(device) and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // ranks))
 
 
