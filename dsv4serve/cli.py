@@ -367,8 +367,9 @@ def auto_fronts(args: argparse.Namespace, engine: EngineConfig) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    engine = EngineConfig(**_engine_knobs(args))
     if args.api_server_count is None:
-        args.api_server_count = auto_fronts(args, EngineConfig(**_engine_knobs(args)))
+        args.api_server_count = auto_fronts(args, engine)
     if args.http and args.api_server_count > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # several fronts: prometheus_client's multiprocess folder, set before anything imports it (so
         # every front's metrics go there), removed at exit
@@ -386,7 +387,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.api_server_count > 1 and (not args.http or args.single_process):
         return _fail("dsv4serve serve: error: --api-server-count > 1 needs --http without --single-process")
     _load_model_config(args.model)
-    options = system_options(args.model, EngineConfig(**_engine_knobs(args)), not args.single_process)
+    options = system_options(args.model, engine, not args.single_process)
     configure_logs(args.log_level, stream=sys.stderr)
     if args.http:
         from dsv4serve.http.server import HttpOptions

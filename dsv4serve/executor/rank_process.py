@@ -15,7 +15,6 @@ from typing import Any, assert_never
 
 import msgspec
 import structlog
-import torch.distributed as dist
 
 from dsv4serve import logs
 from dsv4serve.config import EngineConfig
@@ -51,8 +50,7 @@ def serve_rank(model_dir: str, fields: dict[str, Any], place: Place, conn: Conne
         log.exception("rank_failed")
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        runner.close()  # leaves the group (a follower has no ranks or lockstep of its own)
 
 
 def main(argv: list[str]) -> int:
