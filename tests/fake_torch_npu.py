@@ -144,6 +144,19 @@ def fake_rotary_mul(
     return x * r1 + rotated * r2
 
 
+def fake_interleave_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`torch_npu.npu_interleave_rope` (op-plugin doc `torch_npu-npu_interleave_rope.md`, ../reference
+    notes 3.2): x (B, N, S, 64) fp16 / bf16, contiguous; cos / sin (B, 1, S or 1, 64), one head broadcast,
+    in the HALF layout. The pairs (x[2i], x[2i+1]) are de-interleaved to [x0, x2, ..., x1, x3, ...], then
+    q * cos + rotate_half(q) * sin: the output stays in the half layout (not re-interleaved)."""
+    assert x.dim() == 4 and x.shape[-1] == 64 and x.is_contiguous()
+    assert x.dtype in (torch.float16, torch.bfloat16) and cos.dtype == sin.dtype == x.dtype
+    B, _, S, D = x.shape
+    assert cos.shape == sin.shape and cos.shape in ((B, 1, S, D), (B, 1, 1, D))
+    q = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    return q * cos + _rotate_half(q) * sin
+
+
 def fake_hc_pre_v2(x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters, norm_eps, hc_eps):
     """vllm-ascend `_C_ascend.npu_hc_pre_v2` (its op test's golden, ../reference notes): the streams x
     (T, hc, D) bf16 flattened and RMS-scaled, times hc_fn^T ((2+hc)*hc, hc*D) fp32, split into
@@ -851,6 +864,7 @@ FAKES = {
     "npu_rms_norm": fake_rms_norm,
     "npu_add_rms_norm": fake_add_rms_norm,
     "npu_rotary_mul": fake_rotary_mul,
+    "npu_interleave_rope": fake_interleave_rope,
     "npu_lightning_indexer": fake_lightning_indexer,
     "npu_fused_infer_attention_score": fake_fused_infer_attention_score,
     **CUSTOM,

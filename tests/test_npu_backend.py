@@ -77,17 +77,19 @@ def _family(ops: Any, name: str) -> Any:
 
 
 def test_every_mapped_family_runs_its_ascend_op(fake_npu: dict[str, int]) -> None:
-    """The families the npu backend maps (the rest run the reference until they are built)."""
+    """Every op family of the seam is on an Ascend op but the steps' index metadata (`prepare`) and GLM's
+    split + norm, which is Triton source compiled by triton-ascend (absent here: its own test)."""
     ops = select("npu")
     names = ["linear", "rms_norm", "add_rms_norm", "gating_top_k", "routed_experts"]
     names += [f"dsv4.{f.name}" for f in dataclasses.fields(REFERENCE.dsv4)]
     names += [f"mla.{f.name}" for f in dataclasses.fields(REFERENCE.mla)]
     mapped = {f for f in names if _family(ops, f) is not _family(REFERENCE, f)}
     assert mapped == set(FAMILY_OPS)
+    assert set(names) - mapped == {"dsv4.prepare", "mla.prepare", "mla.qkv_split_norm"}
     assert mapped == {"linear", "rms_norm", "add_rms_norm", "gating_top_k", "routed_experts", "dsv4.rope",
                       "dsv4.q_norm_rope", "dsv4.kv_norm_rope_store", "dsv4.hc_pre", "dsv4.hc_post",
-                      "dsv4.compressor", "dsv4.sparse_attention", "dsv4.indexer_topk",
-                      "mla.attention"}  # fmt: skip
+                      "dsv4.hc_head", "dsv4.compressor", "dsv4.sparse_attention", "dsv4.indexer_topk",
+                      "mla.rope_store", "mla.attention"}  # fmt: skip
 
 
 @pytest.mark.parametrize("op", NPU_OPS)
@@ -200,6 +202,35 @@ def test_mhc_pre_and_post_on_their_ascend_ops_are_the_reference(
     want = REFERENCE.dsv4.hc_post(out.float(), h.float(), post, comb)  # the op mixes in fp32, then casts
     torch.testing.assert_close(got, want.to(torch.bfloat16))
     assert calls[pre_op] == calls[post_op] == 1
+
+
+@pytest.mark.parametrize("generation", list(GENERATION_OPS))
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_mhc_head_on_the_pre_op_is_the_reference(
+    monkeypatch: pytest.MonkeyPatch, hidden: int, generation: str
+) -> None:
+    """The head's collapse (its own fn (hc, hc*D), base (hc,), scale (1,)) on hc_pre's op of either
+    generation, its parameters padded once: the reference's normed collapse, within bf16's rounding;
+    a wrong pad (a nonzero post / comb scale) cannot show, a wrong pre row would."""
+    from dsv4serve.layers.mhc import HyperConnection
+
+    calls = install(monkeypatch, older=generation == "custom")
+    h, full, norm, p = _streams(7, 5, hidden, torch.bfloat16)
+    head = HyperConnection(fn=full.fn[:4] * 10, base=full.base[:4], scale=full.scale[:1])
+    dsv4 = select("npu").dsv4
+    got = dsv4.hc_head(h, head, norm, p)
+    want = REFERENCE.dsv4.hc_head(h, head, norm, p)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, hidden)
+    torch.testing.assert_close(got, want)
+    wrong = HyperConnection(fn=full.fn[4:8] * 10, base=full.base[:4], scale=full.scale[:1])
+    assert not torch.allclose(REFERENCE.dsv4.hc_head(h, wrong, norm, p).float(), want.float(), atol=0.05)
+    padded = dsv4.hc_head.keywords["padded"]  # type: ignore[attr-defined]
+    dsv4.hc_head(h, head, norm, p)
+    assert len(padded) == 1 and calls[GENERATION_OPS[generation][0]] == 2  # padded once, the op each call
+    h, full, norm, p = _streams(7, 5, 64, torch.bfloat16)  # outside the op's limits: the reference itself
+    head = HyperConnection(fn=full.fn[:4], base=full.base[:4], scale=full.scale[:1])
+    assert torch.equal(dsv4.hc_head(h, head, norm, p), REFERENCE.dsv4.hc_head(h, head, norm, p))
+    assert calls[GENERATION_OPS[generation][0]] == 2
 
 
 def test_mhc_outside_the_custom_ops_limits_takes_the_reference(fake_npu: dict[str, int]) -> None:

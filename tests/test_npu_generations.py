@@ -17,11 +17,12 @@ from dsv4serve.backends import reference, select
 from dsv4serve.backends.npu import GENERATIONAL, NEWER
 
 REFERENCE = reference.backend()
-FAMILY_OF = {
-    "npu_hc_pre_v2": "hc_pre",
-    "npu_hc_post": "hc_post",
-    "npu_sparse_attn_sharedkv": "sparse_attention",
+FAMILIES_OF = {  # the families each generational op serves
+    "npu_hc_pre_v2": ("hc_pre", "hc_head"),
+    "npu_hc_post": ("hc_post",),
+    "npu_sparse_attn_sharedkv": ("sparse_attention",),
 }
+GENERATIONAL_FAMILIES = [f for families in FAMILIES_OF.values() for f in families]
 
 
 @pytest.mark.parametrize("older", [True, False], ids=["custom", "cann"])
@@ -33,27 +34,30 @@ def test_each_familys_generation_is_chosen_and_logged_once(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dsv4 = select("npu").dsv4
-    wrappers = {family: getattr(dsv4, family).func.__name__ for family in FAMILY_OF.values()}
-    assert wrappers == {f: f"npu_{f}" for f in ("hc_pre", "hc_post", "sparse_attention")}
-    for family in FAMILY_OF.values():  # each on the generation chosen
+    wrappers = {family: getattr(dsv4, family).func.__name__ for family in GENERATIONAL_FAMILIES}
+    assert wrappers == {f: f"npu_{f}" for f in GENERATIONAL_FAMILIES}
+    for family in GENERATIONAL_FAMILIES:  # each on the generation chosen
         assert getattr(dsv4, family).keywords["newer"] is not older, family
     lines = [e for e in all_logs.entries if e["event"] == "npu_generation"]
     assert len(lines) == 1 and lines[0]["actor"] == "npu"
     families = {f.removeprefix("dsv4.") for f in GENERATIONAL}
-    assert families == {"compressor", *FAMILY_OF.values()}
+    assert families == {"compressor", *GENERATIONAL_FAMILIES}
     assert {f: lines[0][f] for f in families} == dict.fromkeys(families, "custom" if older else "cann")
 
 
-@pytest.mark.parametrize("op", list(FAMILY_OF))
+@pytest.mark.parametrize("op", list(FAMILIES_OF))
 def test_without_either_generation_the_reference_runs_with_one_warning_naming_both(
     monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
+    """One warning for each family the op serves, naming both generations' ops; those families on the
+    reference."""
     install(monkeypatch, missing=(op,))  # the custom op and its newer counterpart
     with pytest.warns(RuntimeWarning, match=op) as caught:
         ops = select("npu")
-    assert len(caught) == 1 and f"cann_ops_transformer.{NEWER[op]}" in str(caught[0].message)
-    family = FAMILY_OF[op]
-    assert getattr(ops.dsv4, family) is getattr(REFERENCE.dsv4, family)
+    assert len(caught) == len(FAMILIES_OF[op])
+    assert all(f"cann_ops_transformer.{NEWER[op]}" in str(w.message) for w in caught)
+    for family in FAMILIES_OF[op]:
+        assert getattr(ops.dsv4, family) is getattr(REFERENCE.dsv4, family)
 
 
 def test_a_family_never_mixes_the_generations(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -101,6 +101,35 @@ def test_mla_attention_on_fia_is_the_reference(
     assert (got.float() - want).abs().mean() < 5e-3 * want.abs().mean()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_store_on_npu_interleave_rope_is_the_reference(
+    fake_npu: dict[str, int], dtype: torch.dtype
+) -> None:
+    """GLM's rope and latent write on npu_interleave_rope (q_pe, a strided view of q, and k_pe, a view of
+    the split's output, as one call's heads; cos / sin in the half layout, once a step): q_pe rotated in
+    place and every token's row stored as the reference does, the rest of q and of the pool (NaN-poisoned)
+    untouched. The op's de-interleaved output is the reference's layout. fp32: the reference itself."""
+    gen = torch.Generator().manual_seed(3)
+    dims = glm_dims(20)
+    q, cache, _, meta = mla_case(MIXED, dims, gen, poison=True)
+    angles = meta.positions[:, None].float() * mla.rope_inv_freq(64, 10000.0, "cpu")[None]
+    meta = dataclasses.replace(meta, cos=angles.cos(), sin=angles.sin())
+    T = q.shape[0]
+    y = torch.randn(T, 512 + 64 + 8, generator=gen).to(dtype)
+    latents = mla.QkvLatents(q=None, kv=y[:, :512], k_pe=y[:, 512:576])
+    q, cache = q.to(dtype), cache.to(dtype)
+    want_q, want_cache = q.clone(), cache.clone()
+    REFERENCE.mla.rope_store(want_q[..., 192:], latents, want_cache, meta)
+    rope_store = select("npu").mla.rope_store
+    for _ in range(2):  # a second layer of the step reuses its cos / sin
+        got_q, got_cache = q.clone(), cache.clone()
+        rope_store(got_q[..., 192:], latents, got_cache, meta)
+        torch.testing.assert_close(got_q, want_q)
+        torch.testing.assert_close(got_cache, want_cache, equal_nan=True)
+    assert fake_npu["npu_interleave_rope"] == (0 if dtype == torch.float32 else 2)
+    assert not torch.equal(want_q, q), "the rope moved q_pe"
+
+
 def test_the_layers_of_a_step_share_its_paged_context(layouts: list[str]) -> None:
     """Built by a step's first layer (one gather index, one block table), then shared."""
     dims = glm_dims(20)
@@ -139,7 +168,8 @@ def test_a_torch_npu_without_fia_runs_the_reference_mla_with_one_warning(
     with pytest.warns(RuntimeWarning, match=OP) as caught:
         ops = select("npu")
     assert len(caught) == 1 and "mla.attention runs the reference" in str(caught[0].message)
-    assert ops.mla is not REFERENCE.mla and ops.mla == REFERENCE.mla  # every MLA family the reference's
+    assert ops.mla.attention is REFERENCE.mla.attention
+    assert ops.mla.rope_store is not REFERENCE.mla.rope_store  # its own op, still there
 
 
 # A random tiny model in bf16 often has greedy near-ties (top two logits one bf16 step apart, 0.06 at
@@ -197,7 +227,7 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
     worst = max(compare(w, g) for w, g in zip(want, got, strict=True))  # asserts the same tokens
     assert worst < 0.25, worst  # a few bf16 steps
     assert worst < min(_margins(want)), "every pick leads its runner-up by more than any deviation"
-    assert calls[OP] > 0 and calls["npu_add_rms_norm"] > 0
+    assert calls[OP] > 0 and calls["npu_add_rms_norm"] > 0 and calls["npu_interleave_rope"] > 0
     assert bool(launches) == tritons
     if graphs:
         assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"

@@ -1,8 +1,8 @@
 """The npu backend: torch_npu ops where a documented op has the contract (the W8A8 linear, the router,
 the routed experts, RMSNorm, rope, mHC, DeepSeek-V4's compressor, sparse attention and indexer, GLM's
-MLA attention), the reference elsewhere; plain transfers; decode steps captured as NPU graphs (`graphs.py`)
-where torch_npu has them. Written against the documented torch_npu API and tested through a fake
-`torch_npu`: **never run on an Ascend NPU**.
+MLA rope and attention), the reference elsewhere (each step's index metadata); plain transfers; decode
+steps captured as NPU graphs (`graphs.py`) where torch_npu has them. Written against the documented
+torch_npu API and tested through a fake `torch_npu`: **never run on an Ascend NPU**.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from dsv4serve.backends.npu.compressor import npu_compressor
 from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
-from dsv4serve.backends.npu.mhc import npu_hc_post, npu_hc_pre
+from dsv4serve.backends.npu.mhc import npu_hc_head, npu_hc_post, npu_hc_pre
 from dsv4serve.backends.npu.mla import GraphOps, npu_mla_attention
 from dsv4serve.backends.npu.norm import npu_add_rms_norm, npu_rms_norm
-from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_q_norm_rope, npu_rope
+from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_mla_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
 from dsv4serve.config import ConfigError
 
 # Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
 # builds differ by CANN version; `npu_find_op` says where each is looked for); a family whose ops are
 # missing runs the reference, one warning naming them. GLM's qkv_split_norm is Triton source, compiled by
-# triton-ascend where it is installed (`triton_ascend`). The others (DeepSeek-V4's prepare and hc_head;
-# GLM's MLA prepare and rope_store) run the reference. The families with an op in NEWER
+# triton-ascend where it is installed (`triton_ascend`). The steps' metadata (DeepSeek-V4's and GLM's
+# `prepare`: index arithmetic, no op) is the reference's. The families with an op in NEWER
 # come in two generations (`generation`): the custom libraries' ops named here, else CANN's newer ones
 # in their place. The engine's int8 indexer (`indexer_quant="int8"`) takes INT8_INDEXER where found, else
 # the reference (one warning, on its first call).
@@ -58,9 +58,11 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "dsv4.kv_norm_rope_store": ("npu_rms_norm", "npu_rotary_mul"),
     "dsv4.hc_pre": ("npu_hc_pre_v2", "npu_rms_norm"),
     "dsv4.hc_post": ("npu_hc_post",),
+    "dsv4.hc_head": ("npu_hc_pre_v2", "npu_rms_norm"),
     "dsv4.compressor": ("compressor",),
     "dsv4.sparse_attention": ("npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata"),
     "dsv4.indexer_topk": ("npu_lightning_indexer",),
+    "mla.rope_store": ("npu_interleave_rope",),
     "mla.attention": ("npu_fused_infer_attention_score",),
 }
 # Custom-op libraries (not stock torch_npu) an op may come from, as torch.ops namespaces: vllm-ascend's
@@ -172,6 +174,13 @@ def backend(npu: ModuleType | None = None) -> Backend:
             rms_norm=found["npu_rms_norm"],
             newer=gen["dsv4.hc_pre"] == "cann",
         ),
+        "dsv4.hc_head": partial(
+            npu_hc_head,
+            pre=use["dsv4.hc_head"]["npu_hc_pre_v2"],
+            rms_norm=found["npu_rms_norm"],
+            padded={},  # the head's parameters padded to hc_pre's shapes, once
+            newer=gen["dsv4.hc_head"] == "cann",
+        ),
         "dsv4.hc_post": partial(
             npu_hc_post, op=use["dsv4.hc_post"]["npu_hc_post"], newer=gen["dsv4.hc_post"] == "cann"
         ),
@@ -196,6 +205,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
             quant=quant,
             shared=per_step,
         ),
+        "mla.rope_store": partial(npu_mla_rope_store, op=found["npu_interleave_rope"], shared=PerStep()),
         "mla.attention": partial(
             npu_mla_attention,
             op=found["npu_fused_infer_attention_score"],

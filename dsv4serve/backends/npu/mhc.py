@@ -17,12 +17,19 @@ CANN's newer generation (hicann ops-transformer `mhc/mhc_pre_sinkhorn/docs/torch
 hc_eps, norm_eps)` (the eps in the other order) with x BSND (B, S, hc, C) on A2 / A3, fp16 / bf16, hc 4,
 C a multiple of 128, 20 Sinkhorn iterations, returning hin (B, S, C), h_post (B, S, hc) and h_res
 (B, S, hc * hc) fp32 first; `mhc_post(x, h_res, h_out, h_post)` with the streams x (T, hc, D) first and
-h_res required on A2 / A3, returning (T, hc, D) in x's dtype. **Never run on an Ascend NPU.**
+h_res required on A2 / A3, returning (T, hc, D) in x's dtype.
+
+`hc_head` (the final collapse, `mhc.hc_head_norm`) has no op of its own: its pre is hc_pre's (sigmoid of
+the RMS-scaled mix times scale plus base, plus eps) over the head's own hc rows of fn, and y is the same
+pre-weighted sum. So it runs on the same op with the head's parameters padded by zero post / comb rows
+(fn, base) and zero post / comb scales, padded once per weight; the op's post / comb are dropped. Then
+`npu_rms_norm`. **Never run on an Ascend NPU.**
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -64,6 +71,43 @@ def npu_hc_pre(
     normed, _ = rms_norm(y, norm_weight, p.norm_eps)
     T = h.shape[0]
     return normed, post.reshape(T, p.mult), comb.reshape(T, p.mult, p.mult)
+
+
+def npu_hc_head(
+    h: torch.Tensor,
+    hc: HyperConnection,
+    norm_weight: torch.Tensor,
+    p: HcParams,
+    *,
+    pre: Callable[..., Any],
+    rms_norm: Callable[..., Any],
+    padded: dict[int, tuple[torch.Tensor, HyperConnection]],
+    newer: bool = False,
+) -> torch.Tensor:
+    """The head's collapse of the streams (T, hc, D) RMSNormed: hc_pre's op over the head's parameters
+    padded to hc_pre's shapes (`head_as_pre`), its y the collapse, post / comb dropped."""
+    q = replace(p, sinkhorn_iters=SINKHORN_ITERS)  # comb is dropped: any count the op takes
+    if not (cann_supported(h, q) if newer else supported(h, q)):
+        return mhc.hc_head_norm(h, hc, norm_weight, p)
+    if id(hc.fn) not in padded or padded[id(hc.fn)][0] is not hc.fn:  # (a warm-up step pads, not a capture)
+        padded[id(hc.fn)] = (hc.fn, head_as_pre(hc, p.mult))
+    full = padded[id(hc.fn)][1]
+    if newer:
+        y = pre(h[None], full.fn, full.scale, full.base, p.mult, SINKHORN_ITERS, p.eps, p.norm_eps)[0][0]
+    else:
+        y = pre(h, full.fn, full.scale, full.base, p.mult, SINKHORN_ITERS, p.norm_eps, p.eps)[0]
+    normed, _ = rms_norm(y, norm_weight, p.norm_eps)
+    return normed
+
+
+def head_as_pre(head: HyperConnection, mult: int) -> HyperConnection:
+    """The head's parameters (fn (hc, hc*D), base (hc,), scale (1,)) as hc_pre's (fn ((2+hc)*hc, hc*D),
+    base ((2+hc)*hc,), scale (3,)): the pre rows are the head's, the post / comb rows and scales zero."""
+    rows = (2 + mult) * mult - mult
+    fn = torch.cat([head.fn.float(), head.fn.new_zeros(rows, head.fn.shape[1], dtype=torch.float32)])
+    base = torch.cat([head.base.float(), head.base.new_zeros(rows, dtype=torch.float32)])
+    scale = torch.cat([head.scale.float().reshape(1), head.scale.new_zeros(2, dtype=torch.float32)])
+    return HyperConnection(fn=fn, base=base, scale=scale)
 
 
 def npu_hc_post(
