@@ -140,7 +140,32 @@ def test_the_layers_of_a_step_share_its_paged_context(layouts: list[str]) -> Non
     context = shared.items["mla"]
     second = attention(q, cache, kv_b, meta, dims)
     assert shared.items["mla"] is context and torch.equal(first, second) and layouts == ["TND", "TND"]
-    assert context.kv_lengths == [p + n for p, n in MIXED] and context.q_ends[-1] == q.shape[0]
+    assert len(context) == 1, "one call: the step's pages within GATHER_PAGES"
+    assert context[0].kv_lengths == [p + n for p, n in MIXED] and context[0].q_ends[-1] == q.shape[0]
+
+
+@pytest.mark.parametrize(("shares", "layout"), [(MIXED, "TND"), (DECODES, "BSND")], ids=["mixed", "decodes"])
+def test_a_step_whose_context_passes_the_gather_bound_is_several_calls(
+    monkeypatch: pytest.MonkeyPatch, layouts: list[str], shares: list[tuple[int, int]], layout: str
+) -> None:
+    """With room for 3 pages a call (GATHER_PAGES), the step's requests go in runs whose pages fit (a
+    request of more pages alone): several FIA calls, each gathering only its run's pages, together the
+    reference's output (a run of decodes only as BSND)."""
+    from dsv4serve.backends.npu import mla as npu_mla
+
+    monkeypatch.setattr(npu_mla, "GATHER_PAGES", 3)
+    gathered: list[int] = []
+    common = npu_mla._common
+    monkeypatch.setattr(npu_mla, "_common", lambda *a: gathered.append(a[1].slots.shape[0]) or common(*a))
+    dims = glm_dims(20)
+    q, cache, kv_b, meta = mla_case(shares, dims, torch.Generator().manual_seed(5), True)
+    got = select("npu").mla.attention(q, cache, kv_b, meta, dims)
+    want = REFERENCE.mla.attention(q.float(), cache.float(), kv_b.float(), meta, dims)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+    pages = [-(-(p + n) // npu_mla.BLOCK) for p, n in shares]
+    assert sum(gathered) == sum(pages) and len(layouts) == len(gathered) > 1
+    assert all(n <= 3 or n in pages for n in gathered)  # a run within the bound, or one request
+    assert layout in layouts and set(layouts) <= {"TND", "BSND"}  # a run of decodes alone: BSND
 
 
 def test_calls_outside_the_ops_limits_take_the_reference(fake_npu: dict[str, int]) -> None:
@@ -190,12 +215,20 @@ GLM_OPS = (OP, "npu_interleave_rope", "npu_add_rms_norm")  # the Ascend ops a GL
 
 
 @pytest.mark.parametrize(
-    ("graphs", "tritons", "missing"),
-    [(False, False, ""), (True, False, ""), (False, True, ""), *((True, False, op) for op in GLM_OPS)],
-    ids=["eager", "graphs", "triton", *(f"graphs-without-{op}" for op in GLM_OPS)],
-)
+    ("graphs", "tritons", "missing", "gather_pages"),
+    [
+        (False, False, "", 0), (True, False, "", 0), (False, True, "", 0), (True, False, "", 2),
+        *((True, False, op, 0) for op in GLM_OPS),
+    ],
+    ids=["eager", "graphs", "triton", "graphs-2-pages-a-call", *(f"graphs-without-{op}" for op in GLM_OPS)],
+)  # fmt: skip
 def test_greedy_glm_through_the_npu_backend_is_the_references(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, graphs: bool, tritons: bool, missing: str
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    graphs: bool,
+    tritons: bool,
+    missing: str,
+    gather_pages: int,
 ) -> None:
     """A tiny GLM (dense layers) at FIA's latent (512 + 64; 20 heads, padded to 32) in bf16 through the
     executor on the npu backend (chunked prefills mixed with decodes, pages of 16): the reference
@@ -203,11 +236,15 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
     over the fake's NPUGraph and replayed, FIA in each layer recorded as a task group that every replay
     first re-issues with the step's lengths (no host sync inside the capture). With triton-ascend
     (here: Triton's interpreter on the fake's CPU tensors), the fused split + norm is the Triton source's.
-    Without one of GLM's Ascend ops: one warning naming it, its family on the reference, the same tokens."""
+    Without one of GLM's Ascend ops: one warning naming it, its family on the reference, the same tokens.
+    With 2 pages a call (`gather_pages`), eager steps and captured buckets are several FIA calls."""
     from dsv4serve.backends import npu, split_norm
+    from dsv4serve.backends.npu import mla as npu_mla
     from dsv4serve.backends.npu.graphs import NpuGraphs
 
     calls = install(monkeypatch, missing=(missing,) if missing else ())
+    if gather_pages:
+        monkeypatch.setattr(npu_mla, "GATHER_PAGES", gather_pages)
     launches = []
     if tritons:
         monkeypatch.setattr(npu, "triton_ascend", lambda: True)
@@ -241,8 +278,12 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
         assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"
         captured = [g.graph for g in runner.graphs.graphs.values()]
         layers = runner.model_cfg.num_layers
-        fia_layers = 0 if missing == OP else layers
-        assert all(len(g.updates) == fia_layers for g in captured), "FIA in each layer of each graph"  # type: ignore[union-attr]
+        for key, g in runner.graphs.graphs.items():  # a call a run of requests within GATHER_PAGES
+            run = max(1, npu_mla.GATHER_PAGES // -(-key.context // npu_mla.BLOCK))
+            calls_a_layer = 0 if missing == OP else -(-key.batch // run)
+            assert len(g.graph.updates) == layers * calls_a_layer, key  # type: ignore[union-attr]
+        if gather_pages:
+            assert any(len(g.updates) > layers for g in captured)  # type: ignore[union-attr]
         assert sum(g.graph.replays for g in captured) > 0  # type: ignore[union-attr]
 
 

@@ -18,7 +18,9 @@ heads 1, 2, 4, ..., 128; sparse_mode 0, 3 or 4; paged K / V with a block size a 
 - Pages: the engine's pool keeps a token's [c | k_pe] in one row, and MlaMeta carries slots, not pages;
   FIA takes c and k_pe as two contiguous paged tensors (no strided views). So each call gathers its
   requests' context rows (the reference's gather: linear in context) into pages of BLOCK = 128 (a size
-  every paged FIA form takes), each request's pages in a run, and passes their block table. A pool
+  every paged FIA form takes), each request's pages in a run, and passes their block table. A call
+  gathers at most GATHER_PAGES pages (302 MB of bf16 latents): a step, or a captured bucket, whose
+  requests need more is several calls over runs of requests, so the copy's size is fixed. A pool
   kept as c and k_pe apart (vllm-ascend, SGLang), with the page size in the metadata, would let the op
   read the pool in place.
 - Layouts: a step of decodes only takes BSND (B, 1, H, 512), sparse_mode 0 and no mask (SGLang's
@@ -53,6 +55,10 @@ from dsv4serve.backends.npu.graphs import NpuGraph, capturing
 LATENT, ROPE, BLOCK, MASK = 512, 64, 128, 2048
 HEADS = (8, 16, 32, 64, 128)  # the query heads FIA is given (1, 2 and 4 padded to 8)
 MAX_BATCH, MAX_DECODE_KV = 4096, 262144
+# The pages one FIA call gathers at most (the longest context FIA decodes: 302 MB of bf16 latents), so a
+# step's copy of its context stays within a fixed size whatever its batch and contexts: a step, or a
+# captured (batch, context) bucket, whose requests need more runs as several calls.
+GATHER_PAGES = MAX_DECODE_KV // BLOCK
 
 
 def fia_heads(heads: int) -> int | None:
@@ -85,43 +91,68 @@ def supported(q: torch.Tensor, cache: torch.Tensor, meta: MlaMeta, dims: MlaDims
 
 @dataclass(frozen=True)
 class PagedContext:
-    """A step's requests as FIA sees them, built once a step (every layer shares it)."""
+    """A group of a step's requests as one FIA call sees them, built once a step (every layer shares it)."""
 
     slots: torch.Tensor  # (pages, BLOCK) each request's context slots, its pages in a run
     table: torch.Tensor  # (B, max pages) int32: request b's pages among `slots`' rows
     kv_lengths: list[int]  # (B,) context lengths: actual_seq_lengths_kv
     q_ends: list[int]  # (B,) cumulative query ends: TND's actual_seq_lengths
     decodes_only: bool  # one token a request: BSND
+    tokens: slice  # the group's query tokens among the step's
+    requests: slice  # its requests among the step's
 
     @classmethod
-    def of(cls, meta: MlaMeta, spans: tuple[tuple[int, int, int], ...]) -> PagedContext:
-        kv_lengths = [n for _, _, n in spans]
-        counts = [-(-n // BLOCK) for n in kv_lengths]  # pages a request
-        B, N, widest = meta.key_slots.shape[0], meta.key_slots.shape[1], max(counts)
+    def of(cls, meta: MlaMeta, spans: tuple[tuple[int, int, int], ...]) -> list[PagedContext]:
+        """The step's requests in runs whose pages stay within GATHER_PAGES, one call each."""
+        counts = [-(-n // BLOCK) for _, _, n in spans]  # pages a request
+        groups, start, pages = [], 0, 0
+        for b, count in enumerate(counts):
+            if pages + count > GATHER_PAGES and b > start:
+                groups.append((start, b))
+                start, pages = b, 0
+            pages += count
+        groups.append((start, len(spans)))
+        return [cls._group(meta, spans, counts, b0, b1) for b0, b1 in groups]
+
+    @classmethod
+    def _group(
+        cls, meta: MlaMeta, spans: tuple[tuple[int, int, int], ...], counts: list[int], b0: int, b1: int
+    ) -> PagedContext:
+        kv_lengths, counts = [n for _, _, n in spans[b0:b1]], counts[b0:b1]
+        N, widest = meta.key_slots.shape[1], max(counts)
         # (B * widest, BLOCK): every row's slots in pages; past N slot 0 (a page tail, never read)
-        pages = F.pad(meta.key_slots, (0, widest * BLOCK - N)).view(B * widest, BLOCK)
+        pages = F.pad(meta.key_slots[b0:b1], (0, widest * BLOCK - N)).view((b1 - b0) * widest, BLOCK)
         picks = [b * widest + j for b, count in enumerate(counts) for j in range(count)]
         firsts = list(accumulate(counts, initial=0))[:-1]  # each request's first page among `slots`
         table = [[s + j for j in range(c)] + [0] * (widest - c) for s, c in zip(firsts, counts, strict=True)]
-        device = meta.key_slots.device
+        device, t0 = meta.key_slots.device, spans[b0][0]
         return cls(
             slots=pages[torch.tensor(picks, device=device)],
             table=torch.tensor(table, dtype=torch.int32, device=device),
             kv_lengths=kv_lengths,
-            q_ends=[first + count for first, count, _ in spans],
-            decodes_only=all(count == 1 for _, count, _ in spans),
+            q_ends=[first + count - t0 for first, count, _ in spans[b0:b1]],
+            decodes_only=all(count == 1 for _, count, _ in spans[b0:b1]),
+            tokens=slice(t0, spans[b1 - 1][0] + spans[b1 - 1][1]),
+            requests=slice(b0, b1),
         )
 
     @classmethod
-    def whole(cls, meta: MlaMeta) -> PagedContext:
+    def whole(cls, meta: MlaMeta) -> list[PagedContext]:
         """A captured decode step (shapes fixed by its batch and context buckets): every request's pages
-        up to the bucket, in a run; its lengths come before each replay (`kv_lengths` a placeholder)."""
+        up to the bucket, in runs of requests within GATHER_PAGES; the lengths come before each replay
+        (`kv_lengths` placeholders)."""
         B, N = meta.key_slots.shape
         widest = -(-N // BLOCK)
-        table = torch.arange(B * widest, dtype=torch.int32, device=meta.key_slots.device).view(B, widest)
-        pages = F.pad(meta.key_slots, (0, widest * BLOCK - N)).view(B * widest, BLOCK)
-        ends = list(range(1, B + 1))
-        return cls(slots=pages, table=table, kv_lengths=[1] * B, q_ends=ends, decodes_only=True)
+        run = max(1, GATHER_PAGES // widest)
+        out = []
+        for b0 in range(0, B, run):
+            b1 = min(B, b0 + run)
+            n = b1 - b0
+            table = torch.arange(n * widest, dtype=torch.int32, device=meta.key_slots.device).view(n, widest)
+            pages = F.pad(meta.key_slots[b0:b1], (0, widest * BLOCK - N)).view(n * widest, BLOCK)
+            ends, rows = list(range(1, n + 1)), slice(b0, b1)
+            out.append(cls(pages, table, [1] * n, ends, decodes_only=True, tokens=rows, requests=rows))
+        return out
 
 
 def causal_mask(masks: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -154,21 +185,27 @@ def npu_mla_attention(
         return fallback(q, cache, kv_b, meta, dims)
     spans = meta.spans
     assert spans is not None
-    T, H = q.shape[0], dims.num_heads
-    step: PagedContext = shared.get(meta, "mla", lambda: PagedContext.of(meta, spans))
+    H = dims.num_heads
+    groups: list[PagedContext] = shared.get(meta, "mla", lambda: PagedContext.of(meta, spans))
     query, query_rope, w_uv, heads = _queries(q, kv_b, dims)
-    common = _common(cache, step, dims, heads)
-    if step.decodes_only:
-        out, _ = op(
-            query.view(T, 1, heads, LATENT), common.pop("key"), common.pop("value"),
-            query_rope=query_rope.view(T, 1, heads, ROPE), input_layout="BSND", sparse_mode=0, **common,
-        )  # fmt: skip
-    else:
-        out, _ = op(
-            query, common.pop("key"), common.pop("value"), query_rope=query_rope, input_layout="TND",
-            actual_seq_lengths=step.q_ends, sparse_mode=3, atten_mask=causal_mask(masks, q.device), **common,
-        )  # fmt: skip
-    o_lat = out.view(T, heads, LATENT)[:, :H]  # (T, H, 512): the padded heads dropped
+    outs = []
+    for step in groups:  # one call a run of requests: the gathered context stays within GATHER_PAGES
+        common, t = _common(cache, step, dims, heads), step.tokens
+        n, key, value = t.stop - t.start, common.pop("key"), common.pop("value")
+        if step.decodes_only:
+            rope = query_rope[t].view(n, 1, heads, ROPE)
+            out, _ = op(
+                query[t].view(n, 1, heads, LATENT), key, value, query_rope=rope, input_layout="BSND",
+                sparse_mode=0, **common,
+            )  # fmt: skip
+        else:
+            out, _ = op(
+                query[t], key, value, query_rope=query_rope[t], input_layout="TND",
+                actual_seq_lengths=step.q_ends, sparse_mode=3, atten_mask=causal_mask(masks, query.device),
+                **common,
+            )  # fmt: skip
+        outs.append(out.view(n, heads, LATENT))
+    o_lat = (outs[0] if len(outs) == 1 else torch.cat(outs))[:, :H]  # (T, H, 512): the padded heads dropped
     return torch.einsum("thl,hvl->thv", o_lat, w_uv)
 
 
@@ -188,10 +225,9 @@ def _queries(
 def _common(cache: torch.Tensor, step: PagedContext, dims: MlaDims, heads: int) -> dict[str, Any]:
     """The paged keys (key = value = the latent c, key_rope = k_pe) and the arguments every call shares."""
     assert cache.shape[1] == LATENT + ROPE
-    rows = cache[step.slots]  # (pages, BLOCK, 512 + 64)
-    key = rows[..., :LATENT].contiguous()  # (pages, BLOCK, 512): BnBsH, one KV head; value = key
+    key = cache[:, :LATENT][step.slots]  # (pages, BLOCK, 512), gathered contiguous: one KV head; value = key
     return {
-        "key": key, "value": key, "key_rope": rows[..., LATENT:].contiguous(), "num_heads": heads,
+        "key": key, "value": key, "key_rope": cache[:, LATENT:][step.slots], "num_heads": heads,
         "num_key_value_heads": 1, "scale": dims.softmax_scale, "block_table": step.table,
         "block_size": BLOCK, "actual_seq_lengths_kv": step.kv_lengths,
     }  # fmt: skip
@@ -234,22 +270,44 @@ def _captured(
     the context bucket, its call recorded as a task group; before each replay the graph re-issues it
     with the step's lengths (`NpuGraph.replay`), padding rows reading one key."""
     B, H = q.shape[0], dims.num_heads
-    step: PagedContext = shared.get(meta, "mla graph", lambda: PagedContext.whole(meta))
+    groups: list[PagedContext] = shared.get(meta, "mla graph", lambda: PagedContext.whole(meta))
     query, query_rope, w_uv, heads = _queries(q, kv_b, dims)
-    common = _common(cache, step, dims, heads)
-    args = (query.view(B, 1, heads, LATENT), common.pop("key"), common.pop("value"))
-    common |= {"query_rope": query_rope.view(B, 1, heads, ROPE), "input_layout": "BSND", "sparse_mode": 0}
-    longest = common | {"actual_seq_lengths_kv": [meta.key_slots.shape[1]] * B}  # the bucket's
-    workspace = graphs.workspace(*args, **longest)
     out = torch.empty(B, 1, heads, LATENT, dtype=q.dtype, device=q.device)
-    lse = torch.empty(1, dtype=q.dtype, device=q.device)  # (no softmax_lse at MLA's D 512)
+    for step in groups:  # one FIA task group a run of requests, its lengths re-issued before each replay
+        _capture_group(query, query_rope, cache, step, dims, heads, graphs, graph, out[step.tokens])
+    o_lat = out.view(B, heads, LATENT)[:, :H]
+    return torch.einsum("thl,hvl->thv", o_lat, w_uv)
+
+
+def _capture_group(
+    query: torch.Tensor,
+    query_rope: torch.Tensor,
+    cache: torch.Tensor,
+    step: PagedContext,
+    dims: MlaDims,
+    heads: int,
+    graphs: GraphOps,
+    graph: NpuGraph,
+    out: torch.Tensor,
+) -> None:
+    """FIA's `.out` form over one run of requests' pages, in a task group; its update re-issues it with
+    those requests' lengths (rows past the step's live ones read one key)."""
+    t, n = step.requests, step.requests.stop - step.requests.start
+    common = _common(cache, step, dims, heads)
+    args = (query[t].reshape(n, 1, heads, LATENT), common.pop("key"), common.pop("value"))
+    common |= {"query_rope": query_rope[t].reshape(n, 1, heads, ROPE), "input_layout": "BSND"}
+    common["sparse_mode"] = 0
+    longest = common | {"actual_seq_lengths_kv": [step.slots.shape[0] // n * BLOCK] * n}  # the bucket's
+    workspace = graphs.workspace(*args, **longest)
+    lse = torch.empty(1, dtype=query.dtype, device=query.device)  # (no softmax_lse at MLA's D 512)
     rt = graphs.runtime
     rt.graph_task_group_begin(rt.current_stream())
     graphs.out(*args, **common, workspace=workspace, out=[out, lse])
     handle = rt.graph_task_group_end(rt.current_stream())
 
     def update(seq_lens: Sequence[int]) -> None:
-        lengths = [*seq_lens, *[1] * (B - len(seq_lens))]
+        mine = list(seq_lens[t])
+        lengths = [*mine, *[1] * (n - len(mine))]
         stream = rt.current_stream()
         rt.graph_task_update_begin(stream, handle)
         now = common | {"actual_seq_lengths_kv": lengths}
@@ -257,5 +315,3 @@ def _captured(
         rt.graph_task_update_end(stream)
 
     graph.updates.append(update)
-    o_lat = out.view(B, heads, LATENT)[:, :H]
-    return torch.einsum("thl,hvl->thv", o_lat, w_uv)
