@@ -126,6 +126,21 @@ def test_engine_keywords_are_engine_config_fields(cls: type, tiny_model_dir: Pat
         cls(tiny_model_dir, max_model_len=0)
 
 
+@pytest.mark.parametrize(
+    ("device", "asked", "apart"),
+    [("cpu", None, False), ("cuda", None, True), ("cuda:1", None, True), ("npu", None, True),
+     ("cuda", False, False), ("cpu", True, True)],
+)  # fmt: skip
+def test_the_engine_core_runs_apart_on_an_accelerator_unless_asked(
+    tiny_model_dir: Path, device: str, asked: bool | None, apart: bool
+) -> None:
+    """`core_process` left out: the core in a process of its own on a GPU or NPU (the caller's stream
+    handling never delays a step's launch), in the caller's on the CPU; asked, as asked. (Built, not
+    started: no device is touched.)"""
+    engine = AsyncEngine(tiny_model_dir, device=device, core_process=asked)
+    assert engine.options.core_process is apart
+
+
 # ---------------------------------------------------------------- Engine (sync)
 
 
