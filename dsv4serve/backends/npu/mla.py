@@ -190,7 +190,10 @@ def npu_mla_attention(
     query, query_rope, w_uv, heads = _queries(q, kv_b, dims)
     outs = []
     for step in groups:  # one call a run of requests: the gathered context stays within GATHER_PAGES
-        common, t = _common(cache, step, dims, heads), step.tokens
+        t = step.tokens
+        if t.stop == t.start:  # a run of requests with no token this step (empty chunks): no call
+            continue
+        common = _common(cache, step, dims, heads)
         n, key, value = t.stop - t.start, common.pop("key"), common.pop("value")
         if step.decodes_only:
             rope = query_rope[t].view(n, 1, heads, ROPE)
