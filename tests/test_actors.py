@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -485,6 +486,24 @@ async def test_an_encode_fault_fails_only_its_request(autojump_clock: object) ->
     )
     assert isinstance(ok, DoneEvent) and ok.text == "defg"
     assert isinstance(again, DoneEvent) and again.text == "defg"
+
+
+async def test_a_grammar_engine_fault_fails_only_its_request(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """xgrammar failing (here its import, as in an install without it) on a structured request: that
+    request ends with an internal error naming the fault; the engine serves the next one."""
+    from dsv4serve.chat.grammar import json_output
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    device = FakeDevice()
+    async with running(device) as handle:
+        bad = submit(handle, "bad", max_tokens=4, structured=json_output(None, False))
+        error = (await events_of(bad))[-1]
+        ok = (await events_of(submit(handle, "ok", max_tokens=4)))[-1]
+    assert isinstance(error, ErrorEvent) and error.code == "internal", error
+    assert "grammar failed: ModuleNotFoundError" in error.message and "xgrammar" in error.message
+    assert isinstance(ok, DoneEvent) and ok.text == "defg"
 
 
 class FaultyDecoder(FakeDecoder):

@@ -151,6 +151,9 @@ class _Tokenizer:
             except ValueError as exc:
                 await self.fail(msg.rid, "invalid_request", str(exc))
                 return
+            except Exception as exc:  # a fault of the grammar engine (or its import): this request's
+                await self.fault(msg.rid, "grammar_failed", exc)
+                return
         limit = None if self.max_token_chars is None else self.max_token_chars * self.max_model_len
         if msg.prompt is not None and limit is not None and len(msg.prompt) > limit:  # before encoding it
             why = f"prompt ({len(msg.prompt)} characters) cannot fit in max_model_len ({self.max_model_len})"
