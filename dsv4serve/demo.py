@@ -97,7 +97,7 @@ def generate(model: Path, prompt: str, params: SamplingParams, knobs: Mapping[st
 
     from dsv4serve.api import AsyncEngine
 
-    engine = AsyncEngine(model, **knobs)
+    engine = AsyncEngine(model, core_process=False, **knobs)  # one prompt: one start-up, in this process
     return trio.run(_stream_to_stdout, engine, prompt, params)
 
 

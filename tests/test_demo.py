@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
+import trio
 
 from dsv4serve import cli
 
@@ -114,13 +115,36 @@ def test_cli_usage_errors_are_one_line_exit_2(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+@pytest.mark.parametrize(
+    "command", [["generate", "--prompt", "x"], ["serve", "--stdio"]], ids=["generate", "serve"]
+)
 def test_a_missing_device_is_one_line_exit_2(
-    device: str, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], restore_logging: None
+    device: str,
+    command: list[str],
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    restore_logging: None,
 ) -> None:
-    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--device", device]
+    """`serve` (its engine core in a process of its own) checks the device before it starts the core: the
+    same one line as `generate` in one process, not the core's crash."""
+    argv = [*command, "--model", str(tiny_model_dir), "--device", device]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert f"device: {device!r}" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_the_api_refuses_a_missing_device_before_starting_a_core(tiny_model_dir: Path) -> None:
+    """`AsyncEngine(device="cuda")` would run its core apart: the ConfigError comes from the front."""
+    from dsv4serve import AsyncEngine
+    from dsv4serve.config import ConfigError
+
+    async def enter() -> None:
+        async with AsyncEngine(tiny_model_dir, device="cuda"):
+            pass
+
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        trio.run(enter)
 
 
 def test_help_shows_defaults_and_the_transport(capsys: pytest.CaptureFixture[str]) -> None:

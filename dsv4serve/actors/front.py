@@ -48,6 +48,7 @@ from dsv4serve.actors.system import (
     run_system,
 )
 from dsv4serve.actors.tokenizer_core import encode_prompt, load_tokenizer, max_token_chars
+from dsv4serve.backends import check_device
 from dsv4serve.config import ConfigError, EngineConfig
 from dsv4serve.executor.ranks import HELLO_WAIT_S, RANK_TOKEN_ENV, READY_TIMEOUT_S, free_port
 from dsv4serve.models.registry import config_from_dir, spec_for, with_index_quant
@@ -175,6 +176,8 @@ async def run_front(
         raise ValueError("core_process: a prebuilt model cannot cross into the engine-core process")
     log = structlog.get_logger().bind(actor="system")
     engine = options.engine
+    if not attach:  # a device this machine lacks: the ConfigError here, not a core's crash
+        check_device(engine.device)
     model = with_index_quant(config_from_dir(options.model_dir), engine.indexer_quant)  # (refused here)
     bos = spec_for(model.model_type).prompt_bos
     tok = await trio.to_thread.run_sync(lambda: load_tokenizer(options.model_dir, require_bos=bos))

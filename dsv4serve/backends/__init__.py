@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import import_module
+from types import ModuleType
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -332,13 +333,20 @@ def share_host(device: str, ranks: int) -> None:
         torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // ranks))
 
 
-def select(device: str) -> Backend:
-    """The backend of `device` ('cpu', 'cuda', 'cuda:N', 'npu'); a ConfigError if this machine has no
-    such device. 'cuda' imports triton and 'npu' torch_npu (a RuntimeError without them)."""
+def check_device(device: str) -> ModuleType:
+    """The backend module of `device` ('cpu', 'cuda', 'cuda:N', 'npu') once this machine is found to have
+    the device (a ConfigError naming it otherwise); no device memory is touched. A front checks it before
+    it starts an engine-core process, whose own failure would only be a crash there."""
     kind = device.split(":")[0]
     if kind not in DEVICES:
         raise ConfigError(f"device: {device!r} is not cpu, cuda, cuda:N or npu")
     module = import_module(f"dsv4serve.backends.{BACKENDS[kind]}")
     module.check_device(device)
-    backend: Backend = module.backend()
+    return module
+
+
+def select(device: str) -> Backend:
+    """The backend of `device` (`check_device`). 'cuda' imports triton and 'npu' torch_npu (a
+    RuntimeError without them)."""
+    backend: Backend = check_device(device).backend()
     return backend
