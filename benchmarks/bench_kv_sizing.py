@@ -66,7 +66,7 @@ def main() -> None:
     knobs |= {"gpu_memory_utilization": args.gpu_memory_utilization}
     report: dict[str, Any] = {"bench": "kv_sizing", **knobs, "layers": args.layers, "experts": args.experts}
     begin = time.perf_counter()
-    with Engine(model, **knobs) as engine:
+    with Engine(model, core_process=False, **knobs) as engine:  # its memory read in this process
         report["load_s"] = round(time.perf_counter() - begin, 1)
         pools = engine.pool_usage()
         report["pool_slots"] = {name: capacity for name, (_, capacity) in pools.items()}

@@ -81,9 +81,10 @@ def test_glm_engine_generate_chunked_and_preempted(golden: tuple) -> None:
         t.tokens for t in reference_traces(model_dir, many[len(refs) :], MAX_NEW, REFERENCE)
     ]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=())
-    with Engine(
+    with Engine(  # in one process: every prompt queued before the first step (see test_golden_engine._run)
         model_dir,
         device=DEVICE,
+        core_process=False,
         dtype="float32",
         max_num_seqs=8,
         max_num_batched_tokens=48,

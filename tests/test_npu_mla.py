@@ -250,6 +250,15 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
     from dsv4serve.backends.npu import mla as npu_mla
     from dsv4serve.backends.npu.graphs import NpuGraphs
 
+    keys: set[int] = set()  # the storage of every FIA call's key, eager, captured or re-issued
+    fia = fake_torch_npu.fake_fused_infer_attention_score
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        keys.add(args[1].untyped_storage().data_ptr())
+        return fia(*args, **kwargs)
+
+    monkeypatch.setattr(fake_torch_npu, "fake_fused_infer_attention_score", spy)  # (the .out form's too)
+    monkeypatch.setitem(fake_torch_npu.FAKES, OP, spy)
     calls = install(monkeypatch, missing=(missing,) if missing else ())
     if gather_pages:
         monkeypatch.setattr(npu_mla, "GATHER_PAGES", gather_pages)
@@ -281,14 +290,19 @@ def test_greedy_glm_through_the_npu_backend_is_the_references(
     assert worst < 0.25, worst  # a few bf16 steps
     assert worst < min(_margins(want)), "every pick leads its runner-up by more than any deviation"
     assert {op for op in GLM_OPS if calls[op] > 0} == set(GLM_OPS) - {missing}
+    if missing != OP:  # every call's context in the backend's one buffer: no layer or graph keeps a copy
+        buffers = runner.ops.mla.attention.keywords["buffers"]  # type: ignore[attr-defined]
+        ((_, c, _),) = buffers.context.values()
+        assert keys == {c.untyped_storage().data_ptr()}
     assert bool(launches) == tritons
     if graphs:
         assert runner.graphs is not None and runner.graphs.graphs, "no decode step was captured"
         captured = [g.graph for g in runner.graphs.graphs.values()]
         layers = runner.model_cfg.num_layers
         for key, g in runner.graphs.graphs.items():  # a call a run of requests within GATHER_PAGES
-            run = max(1, npu_mla.GATHER_PAGES // -(-key.context // npu_mla.BLOCK))
-            calls_a_layer = 0 if missing == OP else -(-key.batch // run)
+            widest = -(-key.context // npu_mla.BLOCK)  # a request's pages: past GATHER_PAGES, the reference
+            run = max(1, npu_mla.GATHER_PAGES // widest)
+            calls_a_layer = 0 if missing == OP or widest > npu_mla.GATHER_PAGES else -(-key.batch // run)
             assert len(g.graph.updates) == layers * calls_a_layer, key  # type: ignore[union-attr]
         if gather_pages:
             assert any(len(g.updates) > layers for g in captured)  # type: ignore[union-attr]

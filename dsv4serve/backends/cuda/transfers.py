@@ -207,9 +207,11 @@ class CudaTransfers:
 
 
 def check_device(device: str) -> None:
-    """Raise ConfigError naming `device` unless this machine has it (before any weight is loaded)."""
+    """Raise ConfigError naming `device` unless this machine has it (before any weight is loaded). The
+    count comes from NVML where it answers: a front that checks never starts CUDA in its process (a fork
+    of it could not use CUDA then)."""
     _, _, index = device.partition(":")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count()
     if count == 0:
         raise ConfigError(f"device: {device!r}, but torch sees no CUDA device on this machine")
     if index and not (index.isdigit() and int(index) < count):

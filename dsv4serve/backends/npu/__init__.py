@@ -28,7 +28,7 @@ from dsv4serve.backends.npu.experts import npu_routed_experts
 from dsv4serve.backends.npu.graphs import NpuGraphs
 from dsv4serve.backends.npu.linear import npu_linear
 from dsv4serve.backends.npu.mhc import npu_hc_head, npu_hc_post, npu_hc_pre
-from dsv4serve.backends.npu.mla import GraphOps, npu_mla_attention
+from dsv4serve.backends.npu.mla import Buffers, GraphOps, npu_mla_attention
 from dsv4serve.backends.npu.norm import npu_add_rms_norm, npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_mla_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
@@ -212,7 +212,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
             graphs=GraphOps.of(npu, found["npu_fused_infer_attention_score"]),
             fallback=reference.mla.attention,
             shared=PerStep(),  # the step's paged context, built by its first layer
-            masks={},  # FIA's causal mask, one a device
+            buffers=Buffers(),  # FIA's mask, gathered context and workspaces, made once
         ),
     }
     families: dict[str, Any] = {}

@@ -19,8 +19,10 @@ heads 1, 2, 4, ..., 128; sparse_mode 0, 3 or 4; paged K / V with a block size a 
   FIA takes c and k_pe as two contiguous paged tensors (no strided views). So each call gathers its
   requests' context rows (the reference's gather: linear in context) into pages of BLOCK = 128 (a size
   every paged FIA form takes), each request's pages in a run, and passes their block table. A call
-  gathers at most GATHER_PAGES pages (302 MB of bf16 latents): a step, or a captured bucket, whose
-  requests need more is several calls over runs of requests, so the copy's size is fixed. A pool
+  gathers at most GATHER_PAGES pages (302 MB of bf16 latents) into the backend's one buffer (`Buffers`:
+  whole rows from the pool, then c and k_pe apart; 604 MB a device, made on first use, never inside a
+  capture): a step, or a captured bucket, whose requests need more is several calls over runs of
+  requests, each overwriting the buffer in stream order; no layer or graph keeps a copy. A pool
   kept as c and k_pe apart (vllm-ascend, SGLang), with the page size in the metadata, would let the op
   read the pool in place.
 - Layouts: a step of decodes only takes BSND (B, 1, H, 512), sparse_mode 0 and no mask (SGLang's
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 from typing import Any
 
@@ -155,11 +158,54 @@ class PagedContext:
         return out
 
 
-def causal_mask(masks: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """sparse_mode 3's mask: (2048, 2048) bool, True (masked) above the diagonal; one a device."""
-    if device not in masks:
-        masks[device] = torch.ones(MASK, MASK, dtype=torch.bool, device=device).triu(1)
-    return masks[device]
+class Buffers:
+    """What every FIA call of a backend reuses, made on first use (an eager step, or the warm-up step
+    before a capture: never inside one), so that no layer and no captured graph holds its own: the causal
+    mask of each device; the gathered context of each (device, dtype), GATHER_PAGES pages of whole rows
+    and of c and k_pe apart (`gather`), which every run of every layer overwrites in stream order; FIA's
+    workspaces and the unused lse output, by call shape."""
+
+    def __init__(self) -> None:
+        self.masks: dict[torch.device, torch.Tensor] = {}
+        self.context: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self.workspaces: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor:
+        """sparse_mode 3's mask: (2048, 2048) bool, True (masked) above the diagonal."""
+        if device not in self.masks:
+            self.masks[device] = torch.ones(MASK, MASK, dtype=torch.bool, device=device).triu(1)
+        return self.masks[device]
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `slots` (pages, BLOCK) as FIA's key (pages, BLOCK, 512) and key_rope (pages, BLOCK,
+        64), contiguous: whole rows gathered from the pool (a contiguous source), then split."""
+        pages = slots.shape[0]
+        assert pages <= GATHER_PAGES, (pages, GATHER_PAGES)
+        where = (cache.device, cache.dtype)
+        if where not in self.context:
+            empty = partial(torch.empty, dtype=cache.dtype, device=cache.device)
+            rows = GATHER_PAGES * BLOCK
+            self.context[where] = (empty(rows, LATENT + ROPE), empty(rows, LATENT), empty(rows, ROPE))
+        whole, c, pe = (t[: pages * BLOCK] for t in self.context[where])
+        torch.index_select(cache, 0, slots.reshape(-1), out=whole)
+        c.copy_(whole[:, :LATENT])
+        pe.copy_(whole[:, LATENT:])
+        return c.view(pages, BLOCK, LATENT), pe.view(pages, BLOCK, ROPE)
+
+    def workspace(
+        self, graphs: GraphOps, args: tuple[torch.Tensor, ...], call: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FIA's workspace for a call of these shapes at its longest lengths, and the lse output."""
+        key = (
+            *(tuple(a.shape) for a in args),
+            args[0].dtype,
+            args[0].device,
+            tuple(call["actual_seq_lengths_kv"]),
+        )
+        if key not in self.workspaces:
+            lse = torch.empty(1, dtype=args[0].dtype, device=args[0].device)  # (no softmax_lse at D 512)
+            self.workspaces[key] = (graphs.workspace(*args, **call), lse)
+        return self.workspaces[key]
 
 
 def npu_mla_attention(
@@ -173,14 +219,22 @@ def npu_mla_attention(
     graphs: GraphOps | None,
     fallback: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MlaMeta, MlaDims], torch.Tensor],
     shared: PerStep,
-    masks: dict[torch.device, torch.Tensor],
+    buffers: Buffers,
 ) -> torch.Tensor:
     """Attention over the cached latents in the absorbed form, on FIA: (T, H, v)."""
     graph = capturing()
     if graph is not None and meta.spans is None:  # a decode step being captured
-        if graphs is None or not fits(q, cache, dims) or not 0 < q.shape[0] <= MAX_BATCH:
+        widest = -(-meta.key_slots.shape[1] // BLOCK)  # a request's pages at the context bucket
+        if (
+            graphs is None
+            or not fits(q, cache, dims)
+            or not 0 < q.shape[0] <= MAX_BATCH
+            or widest > GATHER_PAGES
+        ):
             return fallback(q, cache, kv_b, meta, dims)
-        return _captured(q, cache, kv_b, meta, dims, op=op, graphs=graphs, graph=graph, shared=shared)
+        return _captured(
+            q, cache, kv_b, meta, dims, graphs=graphs, graph=graph, shared=shared, buffers=buffers
+        )
     if not supported(q, cache, meta, dims):
         return fallback(q, cache, kv_b, meta, dims)
     spans = meta.spans
@@ -193,7 +247,7 @@ def npu_mla_attention(
         t = step.tokens
         if t.stop == t.start:  # a run of requests with no token this step (empty chunks): no call
             continue
-        common = _common(cache, step, dims, heads)
+        common = _common(cache, step, dims, heads, buffers)
         n, key, value = t.stop - t.start, common.pop("key"), common.pop("value")
         if step.decodes_only:
             rope = query_rope[t].view(n, 1, heads, ROPE)
@@ -204,7 +258,7 @@ def npu_mla_attention(
         else:
             out, _ = op(
                 query[t], key, value, query_rope=query_rope[t], input_layout="TND",
-                actual_seq_lengths=step.q_ends, sparse_mode=3, atten_mask=causal_mask(masks, query.device),
+                actual_seq_lengths=step.q_ends, sparse_mode=3, atten_mask=buffers.causal_mask(query.device),
                 **common,
             )  # fmt: skip
         outs.append(out.view(n, heads, LATENT))
@@ -225,12 +279,15 @@ def _queries(
     return query, query_rope, w_uv, heads
 
 
-def _common(cache: torch.Tensor, step: PagedContext, dims: MlaDims, heads: int) -> dict[str, Any]:
-    """The paged keys (key = value = the latent c, key_rope = k_pe) and the arguments every call shares."""
+def _common(
+    cache: torch.Tensor, step: PagedContext, dims: MlaDims, heads: int, buffers: Buffers
+) -> dict[str, Any]:
+    """The paged keys (key = value = the latent c, key_rope = k_pe: the run's context gathered into the
+    shared buffers) and the arguments every call shares."""
     assert cache.shape[1] == LATENT + ROPE
-    key = cache[:, :LATENT][step.slots]  # (pages, BLOCK, 512), gathered contiguous: one KV head; value = key
+    key, key_rope = buffers.gather(cache, step.slots)  # one KV head; value = key
     return {
-        "key": key, "value": key, "key_rope": cache[:, LATENT:][step.slots], "num_heads": heads,
+        "key": key, "value": key, "key_rope": key_rope, "num_heads": heads,
         "num_key_value_heads": 1, "scale": dims.softmax_scale, "block_table": step.table,
         "block_size": BLOCK, "actual_seq_lengths_kv": step.kv_lengths,
     }  # fmt: skip
@@ -263,11 +320,10 @@ def _captured(
     kv_b: torch.Tensor,
     meta: MlaMeta,
     dims: MlaDims,
-    *,
-    op: Callable[..., Any],
     graphs: GraphOps,
     graph: NpuGraph,
     shared: PerStep,
+    buffers: Buffers,
 ) -> torch.Tensor:
     """A decode step being captured: FIA (BSND, one query a request) over every request's pages up to
     the context bucket, its call recorded as a task group; before each replay the graph re-issues it
@@ -277,7 +333,7 @@ def _captured(
     query, query_rope, w_uv, heads = _queries(q, kv_b, dims)
     out = torch.empty(B, 1, heads, LATENT, dtype=q.dtype, device=q.device)
     for step in groups:  # one FIA task group a run of requests, its lengths re-issued before each replay
-        _capture_group(query, query_rope, cache, step, dims, heads, graphs, graph, out[step.tokens])
+        _capture_group(query, query_rope, cache, step, dims, heads, graphs, graph, buffers, out[step.tokens])
     o_lat = out.view(B, heads, LATENT)[:, :H]
     return torch.einsum("thl,hvl->thv", o_lat, w_uv)
 
@@ -291,18 +347,19 @@ def _capture_group(
     heads: int,
     graphs: GraphOps,
     graph: NpuGraph,
+    buffers: Buffers,
     out: torch.Tensor,
 ) -> None:
     """FIA's `.out` form over one run of requests' pages, in a task group; its update re-issues it with
-    those requests' lengths (rows past the step's live ones read one key)."""
+    those requests' lengths (rows past the step's live ones read one key). The graph keeps no buffer of
+    its own but `out`: the context, workspace and lse are the backend's `buffers`."""
     t, n = step.requests, step.requests.stop - step.requests.start
-    common = _common(cache, step, dims, heads)
+    common = _common(cache, step, dims, heads, buffers)
     args = (query[t].reshape(n, 1, heads, LATENT), common.pop("key"), common.pop("value"))
     common |= {"query_rope": query_rope[t].reshape(n, 1, heads, ROPE), "input_layout": "BSND"}
     common["sparse_mode"] = 0
     longest = common | {"actual_seq_lengths_kv": [step.slots.shape[0] // n * BLOCK] * n}  # the bucket's
-    workspace = graphs.workspace(*args, **longest)
-    lse = torch.empty(1, dtype=query.dtype, device=query.device)  # (no softmax_lse at MLA's D 512)
+    workspace, lse = buffers.workspace(graphs, args, longest)
     rt = graphs.runtime
     rt.graph_task_group_begin(rt.current_stream())
     graphs.out(*args, **common, workspace=workspace, out=[out, lse])
