@@ -61,16 +61,24 @@ def npu_hc_pre(
     on `npu_hc_pre_v2`, or (`newer`) CANN's `mhc_pre_sinkhorn` (the streams as one BSND batch entry)."""
     if not (cann_supported(h, p) if newer else supported(h, p)):
         return mhc.hc_pre(h, hc, norm_weight, p)
+    y, post, comb = _pre_op(pre, h, hc, p, newer)
+    normed, _ = rms_norm(y, norm_weight, p.norm_eps)
+    T = h.shape[0]
+    return normed, post.reshape(T, p.mult), comb.reshape(T, p.mult, p.mult)
+
+
+def _pre_op(
+    pre: Callable[..., Any], h: torch.Tensor, hc: HyperConnection, p: HcParams, newer: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One call of the pre op of either generation: y (T, D), post and comb as it shapes them. The newer
+    takes the streams as one BSND batch entry, and its two eps the other way round."""
     if newer:
         y, post, comb = pre(h[None], hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.eps, p.norm_eps)[
             :3
         ]
-        y = y[0]  # (1, T, D); post (1, T, hc), comb (1, T, hc * hc)
-    else:
-        y, post, comb = pre(h, hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.norm_eps, p.eps)
-    normed, _ = rms_norm(y, norm_weight, p.norm_eps)
-    T = h.shape[0]
-    return normed, post.reshape(T, p.mult), comb.reshape(T, p.mult, p.mult)
+        return y[0], post, comb  # y (1, T, D); post (1, T, hc), comb (1, T, hc * hc)
+    y, post, comb = pre(h, hc.fn, hc.scale, hc.base, p.mult, p.sinkhorn_iters, p.norm_eps, p.eps)
+    return y, post, comb
 
 
 def npu_hc_head(
@@ -91,11 +99,7 @@ def npu_hc_head(
         return mhc.hc_head_norm(h, hc, norm_weight, p)
     if id(hc.fn) not in padded or padded[id(hc.fn)][0] is not hc.fn:  # (a warm-up step pads, not a capture)
         padded[id(hc.fn)] = (hc.fn, head_as_pre(hc, p.mult))
-    full = padded[id(hc.fn)][1]
-    if newer:
-        y = pre(h[None], full.fn, full.scale, full.base, p.mult, SINKHORN_ITERS, p.eps, p.norm_eps)[0][0]
-    else:
-        y = pre(h, full.fn, full.scale, full.base, p.mult, SINKHORN_ITERS, p.norm_eps, p.eps)[0]
+    y, _, _ = _pre_op(pre, h, padded[id(hc.fn)][1], q, newer)
     normed, _ = rms_norm(y, norm_weight, p.norm_eps)
     return normed
 
