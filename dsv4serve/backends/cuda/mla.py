@@ -293,7 +293,7 @@ def _flash_varlen() -> Callable[..., torch.Tensor] | None:
     """torch's FlashAttention over ragged batches, causal aligned bottom-right (a query sees the keys
     up to its own place at the end of its sequence's keys), or None where this torch has none or
     there is no GPU."""
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() == 0:  # (through NVML: importing this module starts no CUDA)
         return None
     try:
         from torch.nn.attention.varlen import varlen_attn
