@@ -368,8 +368,7 @@ def auto_fronts(args: argparse.Namespace, engine: EngineConfig) -> int:
 
 def _run_serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(**_engine_knobs(args))
-    if args.api_server_count is None:
-        args.api_server_count = auto_fronts(args, engine)
+    args.api_server_count = auto_fronts(args, engine)  # the count given, else the default's
     if args.http and args.api_server_count > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # several fronts: prometheus_client's multiprocess folder, set before anything imports it (so
         # every front's metrics go there), removed at exit
