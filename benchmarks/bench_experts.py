@@ -7,8 +7,10 @@ the copy bandwidth measured in the same run). MXFP4 also runs its plain-Triton d
 interpreter's twin of the PTX one), a sweep of decode tiles (BLOCK_N x BLOCK_K x warps) and the
 prefill's fused kernel (its tiles swept) against the default: decoded to bf16, then
 torch._grouped_mm. `--bf16-sweep`: the bf16 decode kernels' tiles (BLOCK_N x BLOCK_K x warps x
-stages), each call after the L2 is flushed (a decode step reads its experts cold). Prints one JSON
-object.
+stages), each call after the L2 is flushed (a decode step reads its experts cold). `--split-sweep`: the
+decode kernels' K loops summed in (gate/up, down) slices (`experts.DECODE_SLICES`), split over that
+many programs where the tile grid has fewer than `SPLIT_BELOW` ("auto") or never / always, every
+format, each call after an L2 flush. Prints one JSON object.
 
     python benchmarks/bench_experts.py [--dims flash|glm] [--batches 1 8 64] [--prefill 8192] [--out FILE]
 """
@@ -120,6 +122,28 @@ def bf16_sweep(w: tuple[Weight, Weight, Weight], bandwidth: float, batches: list
     return result
 
 
+SPLITS = [((1, 1), "auto"), ((4, 4), "auto"), ((4, 4), "never"), ((8, 4), "auto"), ((8, 4), "always"),
+          ((16, 8), "always"), ((2, 2), "auto")]  # fmt: skip
+
+
+def split_sweep(w: tuple[Weight, Weight, Weight], bandwidth: float, batches: list[int]) -> dict[str, Any]:
+    """The decode kernels per (gate/up, down) slices and split rule at each batch, each call after an
+    L2 flush (int8 splits always: its sums are exact)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    slices, below, result = kt.DECODE_SLICES, kt.SPLIT_BELOW, {}
+    for pair, rule in SPLITS:
+        kt.DECODE_SLICES = {fmt: pair for fmt in slices}
+        kt.SPLIT_BELOW = {"auto": below, "never": 0, "always": 1 << 30}[rule]
+        label = "x".join(map(str, pair)) + "_" + rule
+        try:
+            result[label] = {f"t{b}": case(b, w, bandwidth, flush) for b in batches}
+        except Exception as exc:
+            result[label] = repr(exc)[:120]
+        print("split", label, result[label], flush=True)
+    kt.DECODE_SLICES, kt.SPLIT_BELOW = slices, below
+    return result
+
+
 def dequantize_sweep(w: Weight, bandwidth: float) -> dict[str, Any]:
     """The prefill path's MXFP4 -> bf16 kernel on one stacked weight, per (rows, 32-blocks, warps):
     ms and GB/s of bytes read and written (the floor: those bytes at the copy bandwidth)."""
@@ -148,6 +172,7 @@ def main() -> None:
     parser.add_argument("--dequantize", action="store_true", help="the MXFP4 -> bf16 kernel's tiles")
     parser.add_argument("--dims", choices=sorted(DIMS), default="flash")
     parser.add_argument("--bf16-sweep", action="store_true", help="the bf16 decode tiles, L2 flushed")
+    parser.add_argument("--split-sweep", action="store_true", help="split K loops, L2 flushed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     global EXPERTS, HIDDEN, INTER, TOP_K, SHARED
@@ -158,7 +183,9 @@ def main() -> None:
     for fmt in args.formats:
         w = weights(fmt)
         entry: dict[str, Any] = {"expert_bytes": expert_bytes(w)}
-        for tokens in [*args.batches, args.prefill]:
+        if args.split_sweep:
+            entry["splits_cold"] = split_sweep(w, bw, args.batches)
+        for tokens in [*args.batches, args.prefill] if args.prefill else args.batches:
             try:
                 entry[f"t{tokens}"] = case(tokens, w, bw)
             except Exception as exc:  # a kernel that fails to build is a result: the rest still runs

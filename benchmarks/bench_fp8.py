@@ -13,7 +13,10 @@ product of the dequantized operands (max |diff| / max |ref|):
     token dimension fastest and the weight's as the transpose of its (N / 128, K / 128) tensor; run 71)
   - engine: this engine's `fp8_linear` from the bf16 activations (its quantization kernel included)
   - triton: this engine's own Triton GEMM on the same W8A8 contract (quantized in its prologue)
-Prints JSON.
+`--decode`: the decode-sized Triton GEMM (1 and 8 rows) at each decode projection's shape per launch plan
+(BLOCK_N, programs aimed at, K steps a split at least, warps, stages), each call replayed from a CUDA
+graph with its weight cold (a decode step reads its weights once), against its bytes at the copy
+bandwidth measured in the same run. Prints JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +33,21 @@ from bench_kernels import timed
 from dsv4serve.layers.formats import quantize_fp8_block
 
 SHAPES = [(32768, 1024), (1024, 4096), (4096, 8192), (2048, 4096), (4096, 2048), (512, 4096)]
+# a decode step's FP8 projections at Flash dimensions: wq_b, wq_a / one wo_a group, wo_b, shared gate or
+# up, shared down, wkv, the indexer's wq_b
+DECODE_SHAPES = [
+    (32768, 1024),
+    (1024, 4096),
+    (4096, 8192),
+    (2048, 4096),
+    (4096, 2048),
+    (512, 4096),
+    (8192, 1024),
+]
+DECODE_PLANS = [  # BLOCK_N, programs aimed at, K steps a split at least, warps, stages (the first: today's)
+    (32, 264, 4, 4, 4), (64, 264, 4, 4, 4), (128, 264, 4, 4, 4), (32, 528, 2, 4, 4), (64, 528, 2, 4, 4),
+    (128, 528, 2, 4, 4), (64, 264, 4, 8, 4), (32, 264, 4, 4, 6), (64, 1056, 1, 4, 4), (128, 1056, 1, 8, 4),
+]  # fmt: skip
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +87,93 @@ def candidates(
     }, x_deq @ w_deq.T
 
 
+def decode_sweep(rows: list[int]) -> dict[str, Any]:
+    """The Triton GEMM of `rows` rows at each decode shape under each of DECODE_PLANS: ms per call
+    with its weight cold (a CUDA graph of calls over enough copies of the weight to pass 192 MB, more
+    than the L2, between two reads of one copy; median replay over the calls), max |diff| / max |ref|
+    against the fp32 product, and the sum over the shapes against their bytes at the copy bandwidth."""
+    import triton
+    from bench_decode import copy_bandwidth
+    from bench_kernels import captured
+
+    from dsv4serve.backends.cuda import linear as ours
+
+    bandwidth = copy_bandwidth("cuda")
+    plan = ours._plan
+    result: dict[str, Any] = {"copy_gb_s": round(bandwidth / 1e9, 1)}
+    weights = {}
+    for n, k in DECODE_SHAPES:
+        wq, ws_e = quantize_fp8_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        weights[(n, k)] = (wq.view(torch.uint8), torch.exp2(ws_e.float() - 127))
+    floor = sum(w.numel() + s.numel() * 4 for w, s in weights.values()) / bandwidth * 1e3
+    for m in rows:
+        x = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in DECODE_SHAPES}
+        refs = {}
+        for (n, k), (wq, ws) in weights.items():
+            w_deq = (wq.view(torch.float8_e4m3fn).float().view(n // 128, 128, k // 128, 128)
+                     * ws[:, None, :, None]).view(n, k)  # fmt: skip
+            xq, xs = act_quant(x[k])
+            refs[(n, k)] = (xq.float().view(m, k // 128, 128) * xs[..., None]).view(m, k) @ w_deq.T
+        entry: dict[str, Any] = {"floor_ms": round(floor, 4)}
+        for bn, target, steps, warps, stages in DECODE_PLANS:
+            label = f"{bn}x{target}x{steps}x{warps}x{stages}"
+
+            def fixed(
+                M: int,
+                N: int,
+                K: int,
+                *_: Any,
+                bn: int = bn,
+                target: int = target,
+                steps: int = steps,
+                warps: int = warps,
+                stages: int = stages,
+            ) -> tuple[int, int, int, int, int, int]:
+                splits = max(1, min(triton.cdiv(target, triton.cdiv(N, bn)), K // (128 * steps)))
+                return 16, bn, 128, splits, warps, stages
+
+            ours._plan = fixed  # type: ignore[assignment]
+            try:
+                per_shape, err = {}, 0.0
+                for (n, k), (wq, ws) in weights.items():
+                    a = x[k]
+                    err = max(err, rel_err(ours.gemm(a, wq, torch.bfloat16, fp8=ws), refs[(n, k)]))
+                    copies = [wq.clone() for _ in range(max(2, -(-(192 << 20) // wq.numel())))]
+
+                    def calls(a: torch.Tensor = a, copies: list[torch.Tensor] = copies,
+                              ws: torch.Tensor = ws) -> None:  # fmt: skip
+                        for c in copies:
+                            ours.gemm(a, c, torch.bfloat16, fp8=ws)
+
+                    ms = timed(captured(calls, 1).replay, reps=20) / len(copies)
+                    per_shape[f"{n}x{k}"] = round(ms, 4)
+                    del copies
+                total = sum(per_shape.values())
+                entry[label] = {"total_ms": round(total, 4), "over_floor": round(total / floor, 2),
+                                "rel_err": err, "ms": per_shape}  # fmt: skip
+            except Exception as exc:
+                entry[label] = repr(exc)[:200]
+            ours._plan = plan
+            print(m, label, entry[label], flush=True)
+        result[f"m{m}"] = entry
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--decode", action="store_true", help="the decode GEMM's launch plans, 1 and 8 rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    if args.decode:
+        report["decode"] = decode_sweep([1, 8])
+        print(json.dumps(report))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        return
     m = args.tokens
     for n, k in SHAPES:
         row: dict[str, Any] = {}

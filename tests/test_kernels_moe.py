@@ -271,3 +271,66 @@ def test_gate_up_view_only_for_w3_right_after_w1() -> None:
     assert gate_up_view(w13[:, :4], w13[:, 5:9]) is None  # a gap between them
     other = torch.randn(4, 10, 6)
     assert gate_up_view(w1, other[:, 5:]) is None  # the same strides, another buffer
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("fmt", ["float", "int8", "mxfp4", "shared"])
+def test_decode_experts_summed_in_k_slices_match_reference(
+    fmt: str, split: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode kernels' K loops summed in slices (gate/up 3, down 2: the last slice shorter, hidden
+    224 not a multiple of the float K tile), one program taking every slice or one a slice (partials
+    summed by each tile's last program; int8 always splits): the reference's result, with experts of
+    no pairs in the grid."""
+    monkeypatch.setattr(kt, "DECODE_SLICES", {"float": (3, 2), "int8": (3, 2), "mxfp4": (3, 2)})
+    monkeypatch.setattr(kt, "SPLIT_BELOW", 1 << 30 if split else 0)
+    gen = torch.Generator().manual_seed(31)
+    experts, hidden, inter, tokens = 8, 224, 160, 5
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = gating_top_k(x @ torch.randn(experts, hidden, generator=gen).T, 2, norm_type=2)
+    if fmt == "mxfp4":
+        w1, w3 = (random_mxfp4((experts, inter, hidden), gen) for _ in range(2))
+        w2: object = random_mxfp4((experts, hidden, inter), gen)
+    else:
+        w1, w2, w3 = (
+            on_device(torch.randn(experts, *s, generator=gen) / s[-1] ** 0.5)
+            for s in ((inter, hidden), (hidden, inter), (inter, hidden))
+        )
+        if fmt == "int8":
+            w1, w2, w3 = (quantize_int8(w) for w in (w1, w2, w3))  # type: ignore[arg-type]
+    shared = tuple(w[experts - 1] for w in (w1, w2, w3)) if fmt == "shared" else None  # type: ignore[index]
+    x, weights, ids = on_device(x), on_device(weights), on_device(ids)
+    block_k = kt._tiles(tokens * 3, True, fmt == "int8", fmt == "mxfp4")[2]
+    assert kt._slices(hidden, block_k, 3)[0] == 3 and kt._slices(inter, block_k, 2)[0] == 2
+    want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0, shared)  # type: ignore[arg-type]
+    got = routed_experts(x, weights, ids, w1, w2, w3, 1.0, shared)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["float", "mxfp4"])
+def test_a_token_gets_the_same_bits_whether_its_slices_split_or_not(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slices are a function of the weights' shape; whether programs split them depends on the
+    step: a token alone (split) and among others (one program per tile) gets the same bits (fp32,
+    where a changed order of the sums shows: 256-deep K loops, four slices of the 32-wide tile)."""
+    gen = torch.Generator().manual_seed(41)
+    experts, hidden, inter, tokens = 4, 256, 256, 6
+    x = on_device(torch.randn(tokens, hidden, generator=gen))
+    weights, ids = gating_top_k(x @ on_device(torch.randn(experts, hidden, generator=gen)).T, 2)
+    if fmt == "mxfp4":
+        w1, w3 = (random_mxfp4((experts, inter, hidden), gen) for _ in range(2))
+        w2: object = random_mxfp4((experts, hidden, inter), gen)
+    else:
+        w1, w2, w3 = (
+            on_device(torch.randn(experts, *s, generator=gen) / s[-1] ** 0.5)
+            for s in ((inter, hidden), (hidden, inter), (inter, hidden))
+        )
+    monkeypatch.setattr(kt, "DECODE_SLICES", {"float": (4, 4), "mxfp4": (4, 4), "int8": (1, 1)})
+    assert kt._slices(hidden, kt._tiles(tokens * 2, True, False, fmt == "mxfp4")[2], 4)[0] == 4
+    monkeypatch.setattr(kt, "SPLIT_BELOW", 1 << 30)
+    alone = routed_experts(x[3:4], weights[3:4], ids[3:4], w1, w2, w3, 1.0)  # type: ignore[arg-type]
+    split = routed_experts(x, weights, ids, w1, w2, w3, 1.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(kt, "SPLIT_BELOW", 0)
+    whole = routed_experts(x, weights, ids, w1, w2, w3, 1.0)  # type: ignore[arg-type]
+    assert torch.equal(alone[0], whole[3]) and torch.equal(split, whole)

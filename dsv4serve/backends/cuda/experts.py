@@ -6,6 +6,8 @@
 2. gate/up: per block, x rows of its pairs times W1[e] and W3[e], the clamped SwiGLU in the epilogue.
 3. down: per block, times W2[e], scaled by each pair's routing weight, one row per pair.
 4. reduce: each token sums its k rows in slot order (fixed: the result never depends on the batch).
+Decode-sized calls sum gate/up's and down's K loops in fixed slices, split over programs when a step
+has few tiles (see DECODE_SLICES).
 Blocks past the last real one (the grid is sized for the worst case) do nothing. int8 quantizes x per
 token and the SwiGLU output per pair (the reference's per-row activation quantization). MXFP4 (W4A16)
 decodes each 32-block of weights in registers (e2m1 values times their power-of-two scale: exact in
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 
 from dsv4serve.backends.cuda.linear import linear, quantize_rows
-from dsv4serve.backends.cuda.triton_utils import enter, launch_options, pow2, ptx_enabled
+from dsv4serve.backends.cuda.triton_utils import arrival_counters, enter, launch_options, pow2, ptx_enabled
 from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
 from dsv4serve.moe.experts import gate_up_view, swiglu
 
@@ -260,6 +262,28 @@ def dequantize_fp4(w: Mxfp4Weight, out: torch.Tensor | None = None) -> torch.Ten
 
 
 @triton.jit
+def _arrive(counter_ptr, tile, live, SPLITS: tl.constexpr):
+    """Whether this program is the last of the SPLITS programs of `tile` to store its partial (every
+    program's stores made visible first); the last one puts the counter back to zero. Tiles of no
+    pairs (`live` false in all their programs) neither count nor finish."""
+    tl.debug_barrier()  # every warp's partial stored before the (one-thread) release below
+    arrived = tl.atomic_add(counter_ptr + tile, 1, mask=live, sem="acq_rel", scope="gpu")
+    last = live & (arrived == SPLITS - 1)
+    tl.atomic_xchg(counter_ptr + tile, 0, mask=last)  # ready for the next call (and graph replay)
+    return last
+
+
+@triton.jit
+def _sum_partials(part_ptrs, mask, stride, like, SPLITS: tl.constexpr):
+    """The SPLITS partials at part_ptrs + j * stride summed in slice order (the result never depends
+    on which program finished last); zeros where not `mask`."""
+    total = tl.zeros(like.shape, like.dtype)
+    for j in tl.static_range(SPLITS):
+        total += tl.load(part_ptrs + j * stride, mask=mask, other=0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     x_scale_ptr,
@@ -274,11 +298,15 @@ def _gate_up_kernel(
     pairs_ptr,
     block_expert_ptr,
     h_ptr,
+    ws_ptr,
+    counter_ptr,
     NUM_PAIRS,
     NUM_EXPERTS,
     TOPK,
     HIDDEN,
     INTER,
+    K_PER_SLICE,
+    SPLIT_STRIDE,
     stride_x,
     stride_w1,
     stride_w3,
@@ -288,11 +316,17 @@ def _gate_up_kernel(
     PTX: tl.constexpr,
     FP32: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    SLICES: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One block of pairs x BLOCK_N columns of gate and up, then the clamped SwiGLU into h. HIDDEN is
+    summed in SLICES slices of K_PER_SLICE, each from zero, the slices' sums added in order: by this
+    program alone (SPLITS 1) or one slice a program (SPLITS == SLICES: fp32 / int32 partials by pair,
+    added in the same order by the tile's last program), the same bits either way."""
     enter(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -312,27 +346,45 @@ def _gate_up_kernel(
         p3 = w3_ptr + ee * stride_w3 + n.to(tl.int64) * (HIDDEN // 2)
         c1 = s1_ptr + (ee * INTER + n.to(tl.int64)) * (HIDDEN // 32)
         c3 = s3_ptr + (ee * INTER + n.to(tl.int64)) * (HIDDEN // 32)
-    if not FP4:
-        for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < HIDDEN
-            a = tl.load(
-                x_ptr + tok[:, None] * stride_x + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
-            )
-            wmask = nmask[:, None] & kmask[None, :]
-            w1 = tl.load(w1_rows + k[None, :], mask=wmask, other=0)
-            w3 = tl.load(w3_rows + k[None, :], mask=wmask, other=0)
-            if FP32:
-                acc_g += tl.dot(a, tl.trans(w1), input_precision="ieee")
-                acc_u += tl.dot(a, tl.trans(w3), input_precision="ieee")
-            else:
-                acc_g += tl.dot(a, tl.trans(w1))
-                acc_u += tl.dot(a, tl.trans(w3))
-    if FP4:  # BLOCK_K columns a step: even and odd columns as two dots per matrix
-        x_rows = x_ptr + tok * stride_x
-        for k0 in range(0, tl.where(live, HIDDEN, 0), BLOCK_K):
-            acc_g = _fp4_step(acc_g, x_rows, pmask, p1, c1, nmask, k0, HIDDEN, BLOCK_K // 32, FP32, PTX)
-            acc_u = _fp4_step(acc_u, x_rows, pmask, p3, c3, nmask, k0, HIDDEN, BLOCK_K // 32, FP32, PTX)
+    total_g, total_u = acc_g, acc_u
+    first = tl.program_id(2) * (SLICES // SPLITS)  # this program's slices of HIDDEN
+    for sl in range(first, first + SLICES // SPLITS):
+        k_lo = sl * K_PER_SLICE
+        k_hi = tl.where(live, tl.minimum(k_lo + K_PER_SLICE, HIDDEN), k_lo)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
+        if not FP4:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < HIDDEN
+                amask = pmask[:, None] & kmask[None, :]
+                a = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=amask, other=0)
+                wmask = nmask[:, None] & kmask[None, :]
+                w1 = tl.load(w1_rows + k[None, :], mask=wmask, other=0)
+                w3 = tl.load(w3_rows + k[None, :], mask=wmask, other=0)
+                if FP32:
+                    acc_g += tl.dot(a, tl.trans(w1), input_precision="ieee")
+                    acc_u += tl.dot(a, tl.trans(w3), input_precision="ieee")
+                else:
+                    acc_g += tl.dot(a, tl.trans(w1))
+                    acc_u += tl.dot(a, tl.trans(w3))
+        if FP4:  # BLOCK_K columns a step: even and odd columns as two dots per matrix
+            x_rows = x_ptr + tok * stride_x
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                acc_g = _fp4_step(acc_g, x_rows, pmask, p1, c1, nmask, k0, HIDDEN, BLOCK_K // 32, FP32, PTX)
+                acc_u = _fp4_step(acc_u, x_rows, pmask, p3, c3, nmask, k0, HIDDEN, BLOCK_K // 32, FP32, PTX)
+        total_g += acc_g  # slice by slice: the same sums whether one program or SLICES take the slices
+        total_u += acc_u
+    acc_g, acc_u = total_g, total_u
+    if SPLITS > 1:  # each slice's partial by pair; the tile's last program sums them, then goes on
+        cols = pair.to(tl.int64)[:, None] * (2 * INTER) + n[None, :]
+        part = pmask[:, None] & nmask[None, :]
+        tl.store(ws_ptr + tl.program_id(2) * SPLIT_STRIDE + cols, acc_g, mask=part)
+        tl.store(ws_ptr + tl.program_id(2) * SPLIT_STRIDE + cols + INTER, acc_u, mask=part)
+        last = _arrive(counter_ptr, b * tl.num_programs(1) + tl.program_id(1), live, SPLITS)
+        acc_g = _sum_partials(ws_ptr + cols, part & last, SPLIT_STRIDE, acc_g, SPLITS)
+        acc_u = _sum_partials(ws_ptr + cols + INTER, part & last, SPLIT_STRIDE, acc_u, SPLITS)
+        live = live & last
     if INT8:
         xs = tl.load(x_scale_ptr + tok, mask=pmask, other=0.0)[:, None]
         s1 = tl.load(tl.where(shared, ss1_ptr + n, s1_ptr + ee * INTER + n), mask=nmask, other=0.0)
@@ -360,22 +412,30 @@ def _down_kernel(
     block_expert_ptr,
     route_ptr,
     y_ptr,
+    ws_ptr,
+    counter_ptr,
     NUM_PAIRS,
     NUM_EXPERTS,
     ROUTED,
     HIDDEN,
     INTER,
+    K_PER_SLICE,
+    SPLIT_STRIDE,
     stride_w2,
     INT8: tl.constexpr,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
     FP32: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    SLICES: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One block of pairs x BLOCK_N columns of the down projection over its share of INTER's SLICES
+    (see `_gate_up_kernel`), then weighted by each pair's routing weight into its row of y."""
     enter(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -389,21 +449,38 @@ def _down_kernel(
     if FP4:
         p2 = w2_ptr + ee * stride_w2 + n.to(tl.int64) * (INTER // 2)
         c2 = s2_ptr + (ee * HIDDEN + n.to(tl.int64)) * (INTER // 32)
-    if not FP4:
-        for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < INTER
-            a = tl.load(
-                h_ptr + r[:, None] * INTER + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
-            )
-            w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
-            if FP32:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(a, tl.trans(w))
-    if FP4:
-        for k0 in range(0, tl.where(live, INTER, 0), BLOCK_K):
-            acc = _fp4_step(acc, h_ptr + r * INTER, pmask, p2, c2, nmask, k0, INTER, BLOCK_K // 32, FP32, PTX)
+    total = acc
+    first = tl.program_id(2) * (SLICES // SPLITS)  # this program's slices of INTER
+    for sl in range(first, first + SLICES // SPLITS):
+        k_lo = sl * K_PER_SLICE
+        k_hi = tl.where(live, tl.minimum(k_lo + K_PER_SLICE, INTER), k_lo)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
+        if not FP4:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < INTER
+                a = tl.load(
+                    h_ptr + r[:, None] * INTER + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0
+                )
+                w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+                if FP32:
+                    acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+                else:
+                    acc += tl.dot(a, tl.trans(w))
+        if FP4:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                acc = _fp4_step(
+                    acc, h_ptr + r * INTER, pmask, p2, c2, nmask, k0, INTER, BLOCK_K // 32, FP32, PTX
+                )
+        total += acc
+    acc = total
+    if SPLITS > 1:  # as in the gate/up kernel
+        cols = pair.to(tl.int64)[:, None] * HIDDEN + n[None, :]
+        part = pmask[:, None] & nmask[None, :]
+        tl.store(ws_ptr + tl.program_id(2) * SPLIT_STRIDE + cols, acc, mask=part)
+        last = _arrive(counter_ptr, b * tl.num_programs(1) + tl.program_id(1), live, SPLITS)
+        acc = _sum_partials(ws_ptr + cols, part & last, SPLIT_STRIDE, acc, SPLITS)
+        pmask = pmask & last
     if INT8:
         hs = tl.load(h_scale_ptr + r, mask=pmask, other=0.0)[:, None]
         s2 = tl.load(tl.where(shared, ss2_ptr + n, s2_ptr + ee * HIDDEN + n), mask=nmask, other=0.0)
@@ -443,6 +520,25 @@ def _tiles(num_pairs: int, fp32: bool, int8: bool, fp4: bool = False) -> tuple[i
     if fp32:
         return 64, 64, 32, 4, 3
     return 128, 128, 64, 8, 3  # the fastest of bench_kernels.py's sweep on the H200
+
+
+# Decode-sized calls (at most 2048 pairs) sum each K loop in slices, a number fixed by the format and
+# the weights' shape (gate/up, down), so that a few tokens' experts can spread over more programs
+# (one slice each) when their tiles alone would leave SMs idle, with the same result as one program
+# taking every slice: a token's output never depends on how many others share its step. int32 sums
+# (W8A8) are exact in any order: always split. bench_experts.py --split-sweep (run 85, H100): MXFP4 at
+# one token 0.117 -> 0.082 ms in 4 x 4 slices; int8 at 8 / 64 tokens 0.52 / 2.50 -> 0.44 / 2.09 ms in
+# 8 x 4; bf16 (GLM) unchanged by any split.
+DECODE_SLICES = {"mxfp4": (4, 4), "int8": (8, 4), "float": (1, 1)}
+SPLIT_BELOW = 264  # split the slices over programs when a tile grid has fewer (about two per SM)
+
+
+def _slices(k_dim: int, block_k: int, wanted: int) -> tuple[int, int]:
+    """(slices, K per slice) of a K loop of k_dim in block_k steps: at most `wanted`, each slice at
+    least two steps."""
+    slices = max(1, min(wanted, k_dim // (2 * block_k)))
+    per_slice = triton.cdiv(triton.cdiv(k_dim, slices), block_k) * block_k
+    return triton.cdiv(k_dim, per_slice), per_slice
 
 
 # prefill-sized bf16 experts through torch._grouped_mm (CUTLASS): 7.6 vs 8.2 ms per layer for 8 x 1024
@@ -638,24 +734,39 @@ def routed_experts(
     for s in (s1, s3) if fp4 else ():
         assert s is not None and s.is_contiguous(), "MXFP4 experts: scales (E, out, in / 32) contiguous"
     scaled, ptx = int8 or fp4, fp4 and ptx_enabled(x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
+    acc_dtype = torch.int32 if int8 else torch.float32
+    wanted = DECODE_SLICES["int8" if int8 else "mxfp4" if fp4 else "float"] if num_pairs <= 2048 else (1, 1)
+    tiles_live = min(num_pairs, num_experts + (shared is not None))  # at most one block each, when few
+    slices, per_slice = _slices(hidden, bk, wanted[0])
+    splits = slices if int8 or tiles_live * triton.cdiv(inter, bn) < SPLIT_BELOW else 1
+    grid = (num_blocks, triton.cdiv(inter, bn), splits)
+    ws = torch.empty(splits if splits > 1 else 0, num_pairs, 2 * inter, dtype=acc_dtype, device=x.device)
+    counters = arrival_counters(x.device, grid[0] * grid[1]) if splits > 1 else ws
+    _gate_up_kernel[grid](
         a, a_scale, q1, q3, s1 if scaled else a, s3 if scaled else a, sq1, sq3, ss1 if int8 else a,
-        ss3 if int8 else a, pairs, block_expert, h, num_pairs, num_experts, top_k, hidden, inter,
-        a.stride(0), q1.stride(0), q3.stride(0), limit,
-        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None,
+        ss3 if int8 else a, pairs, block_expert, h, ws, counters, num_pairs, num_experts, top_k, hidden,
+        inter, per_slice, num_pairs * 2 * inter, a.stride(0), q1.stride(0), q3.stride(0), limit,
+        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None, SLICES=slices, SPLITS=splits,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **launch_options(a),
     )  # fmt: skip
+    del ws
     a2, a2_scale = quantize_rows(h) if int8 else (h, h)
     q2, s2 = _parts(w2)
     sq2, ss2 = _parts(shared[1]) if shared is not None else (q2, s2)
     assert q2.stride(-1) == 1 and q2.stride(-2) == (inter // 2 if fp4 else inter) and sq2.stride(-1) == 1
     assert s2 is None or s2.is_contiguous()
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
+    slices, per_slice = _slices(inter, bk, wanted[1])
+    splits = slices if int8 or tiles_live * triton.cdiv(hidden, bn) < SPLIT_BELOW else 1
+    grid = (num_blocks, triton.cdiv(hidden, bn), splits)
+    ws = torch.empty(splits if splits > 1 else 0, num_pairs, hidden, dtype=acc_dtype, device=x.device)
+    counters = arrival_counters(x.device, grid[0] * grid[1]) if splits > 1 else ws
+    _down_kernel[grid](
         a2, a2_scale, q2, s2 if scaled else a2, sq2, ss2 if int8 else a2, pairs, block_expert,
-        weights.contiguous(), y, num_pairs, num_experts, routed, hidden, inter, q2.stride(0),
-        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None,
+        weights.contiguous(), y, ws, counters, num_pairs, num_experts, routed, hidden, inter, per_slice,
+        num_pairs * hidden, q2.stride(0),
+        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None, SLICES=slices, SPLITS=splits,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **launch_options(a2),
     )  # fmt: skip

@@ -239,6 +239,10 @@ def _plan(M: int, N: int, K: int, int8: bool, fp32: bool, fp8: bool) -> tuple[in
         bm, bn, _, splits, warps, stages = _plan(M, N, K, int8, fp32, False)
         if M > SKINNY_MAX_M:
             return bm, 64, 128, 1, warps, 2 if fp32 else 3
+        # 16-bit inputs: 64-wide N tiles (bench_fp8.py --decode, run 86 on an H100, each weight read
+        # cold: Flash's seven decode projections 0.083 -> 0.069 ms at one row, 0.084 -> 0.068 at 8;
+        # 32 / 128 wide, more programs, 8 warps or 6 stages all slower)
+        bn = bn if fp32 else 64
         return (
             bm,
             bn,
