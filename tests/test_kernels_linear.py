@@ -72,6 +72,43 @@ def test_fp8_block_linear_matches_reference(m: int, n: int, k: int, dtype: torch
     assert 1e-4 < quant_err < 2**-4
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("m", [1, 5, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_fp8_linear_matches_reference(
+    m: int, dtype: torch.dtype, one_launch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wo_a's grouped product: 3 groups of 256 rows over 200 in-features each (a partial 128-block),
+    up to 16 rows as one launch whose tiles read their group's columns (`GROUPED_FP8_LAUNCH`) or one
+    W8A8 linear a group: the reference's per-group products; a float weight: the batched product."""
+    from dsv4serve.layers.formats import quantize_fp8_block
+
+    monkeypatch.setattr(kt, "GROUPED_FP8_LAUNCH", one_launch)
+    groups, rows, k = 3, 256, 200
+    gen = torch.Generator().manual_seed(m)
+    q, s = quantize_fp8_block(torch.randn(groups * rows, k, generator=gen) / k**0.5)
+    w = quant.Fp8BlockWeight(on_device(q), on_device(torch.exp2(s.float() - 127)))
+    x = on_device((torch.randn(m, groups * k, generator=gen) * 2).to(dtype))
+    got, want = kt.grouped_linear(x, w, groups).float(), quant.grouped_linear(x, w, groups).float()
+    for g in range(groups):  # the reference itself: group g's columns times group g's rows
+        alone = quant.linear(x[:, g * k : (g + 1) * k], w.rows(g * rows, (g + 1) * rows)).float()
+        assert torch.equal(want[:, g * rows : (g + 1) * rows], alone)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert float((got - want).abs().max()) <= 2**-7 * float(want.abs().max())
+    plain = on_device(torch.randn(groups * rows, k, generator=gen) / k**0.5)
+    torch.testing.assert_close(
+        kt.grouped_linear(x.float(), plain, groups), quant.grouped_linear(x.float(), plain, groups)
+    )
+    torch.testing.assert_close(
+        quant.grouped_linear(x.float(), plain, groups)[:, rows : 2 * rows],
+        x.float()[:, k : 2 * k] @ plain[rows : 2 * rows].T,
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
 def test_fp8_activation_quantization_matches_reference() -> None:
     """The kernel's per-row per-128 quantization equals the reference bit for bit: values at and just
     past a power of two times 448 (the scale's binade edge), ties of e4m3's rounding, a zero row, a

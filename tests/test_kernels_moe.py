@@ -334,3 +334,18 @@ def test_a_token_gets_the_same_bits_whether_its_slices_split_or_not(
     monkeypatch.setattr(kt, "SPLIT_BELOW", 0)
     whole = routed_experts(x, weights, ids, w1, w2, w3, 1.0)  # type: ignore[arg-type]
     assert torch.equal(alone[0], whole[3]) and torch.equal(split, whole)
+
+
+def test_prefill_workspace_is_one_layers_experts_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend reserves, beside the KV, what a prefill-sized step decodes at once: one layer's
+    three MXFP4 stacks in bf16 (the largest stack, thrice); nothing without MXFP4 experts."""
+    gen = torch.Generator().manual_seed(3)
+    weights = {
+        "layers.0.ffn.experts.w1": random_mxfp4((4, 64, 96), gen),
+        "layers.0.ffn.experts.w2": random_mxfp4((4, 96, 64), gen),
+        "layers.0.attn.wq": torch.zeros(8, 8),
+    }
+    assert kt.prefill_workspace(weights) == 3 * 2 * 4 * 64 * 96
+    assert kt.prefill_workspace({"w": torch.zeros(4, 64, 96)}) == 0
+    monkeypatch.setattr(kt, "FP4_PREFILL_DEQUANTIZED", False)
+    assert kt.prefill_workspace(weights) == 0

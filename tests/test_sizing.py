@@ -282,6 +282,11 @@ def test_sized_engine_keeps_a_given_capacity_and_sizes_the_rest() -> None:
     assert p.engine_max_total_tokens == again.kv_tokens
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         sized_engine(engine, glm, (total - 125 * GIB, total))  # 126 GiB allowed, 125 in use
+    # a backend's op workspace (the CUDA MXFP4 prefill's decoded experts) comes off the KV's budget
+    spared = sized_engine(engine, glm, (total - weights, total), workspace=12 * GIB)
+    assert spared.kv_tokens == kv_tokens_for(glm, engine, budget - 12 * GIB) < sized.kv_tokens
+    with pytest.raises(ConfigError, match=r"12\.0 GiB of op workspace"):
+        sized_engine(engine, glm, (total - 118 * GIB, total), workspace=12 * GIB)
 
 
 def test_a_runner_sizes_its_pools_from_the_device_memory(tiny_model_dir: Path) -> None:

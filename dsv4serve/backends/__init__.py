@@ -17,7 +17,7 @@ the npu backend maps onto them one to one.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from types import ModuleType
@@ -47,6 +47,13 @@ Experts = tuple[Weight, Weight, Weight]  # w1 (gate), w2 (down), w3 (up)
 class Linear(Protocol):
     def __call__(self, x: Tensor, w: Weight, /) -> Tensor:
         """x (..., in) @ w^T -> (..., out) in x's dtype (layers/linear.py)."""
+        ...
+
+
+class GroupedLinear(Protocol):
+    def __call__(self, x: Tensor, w: Weight, groups: int, /) -> Tensor:
+        """x (T, groups * in), w (groups * R, in) -> (T, groups * R): each group's columns times its
+        rows (layers/linear.py `grouped_linear`)."""
         ...
 
 
@@ -291,12 +298,18 @@ class Transfers(Protocol):
         ...
 
 
+def no_workspace(weights: Mapping[str, Weight]) -> int:
+    """A backend whose ops take no workspace beyond a step's activations."""
+    return 0
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation of every op family, and its device's transfers and graphs."""
 
     name: str
     linear: Linear
+    grouped_linear: GroupedLinear
     rms_norm: RmsNorm
     add_rms_norm: AddRmsNorm
     gating_top_k: GatingTopK
@@ -306,6 +319,9 @@ class Backend:
     transfers: Transfers
     graphs: Graphs | None = None  # None: the backend captures no graphs
     collectives: str = "gloo"  # torch.distributed's backend between ranks on this device
+    # device bytes the ops take for a while beyond a step's activations, given the resident weights
+    # (the KV is sized beside them; `runner.sized_engine`)
+    workspace: Callable[[Mapping[str, Weight]], int] = no_workspace
 
 
 BACKENDS = {"cpu": "reference", "cuda": "cuda", "npu": "npu"}  # device kind -> module

@@ -15,7 +15,7 @@ from dsv4serve.attention import core, dsv4, mla
 from dsv4serve.attention.step import prepare_step
 from dsv4serve.backends import Backend, Dsv4Ops, MlaOps
 from dsv4serve.layers import mhc
-from dsv4serve.layers.linear import linear
+from dsv4serve.layers.linear import grouped_linear, linear
 from dsv4serve.moe.experts import routed_experts_reference
 from dsv4serve.moe.routing import gating_top_k
 
@@ -90,6 +90,7 @@ def backend() -> Backend:
     return Backend(
         name="reference",
         linear=linear,
+        grouped_linear=grouped_linear,
         rms_norm=core.rms_norm,
         add_rms_norm=core.add_rms_norm,
         gating_top_k=gating_top_k,

@@ -102,23 +102,26 @@ def _sampled(item: StepItem, out: list[float], k: int) -> SampledToken:
 
 
 def sized_engine(
-    engine: EngineConfig, model: ServedModelConfig, memory: tuple[int, int] | None
+    engine: EngineConfig, model: ServedModelConfig, memory: tuple[int, int] | None, workspace: int = 0
 ) -> EngineConfig:
     """`engine` with its KV capacity decided: its own max_total_tokens, else (a device with memory of its
-    own, `memory` = (free, total) bytes with the weights loaded) what gpu_memory_utilization leaves,
-    else the cpu's default."""
+    own, `memory` = (free, total) bytes with the weights loaded) what gpu_memory_utilization leaves
+    beside `workspace` bytes the backend's ops take for a while (`Backend.workspace`), else the cpu's
+    default."""
     if engine.max_total_tokens is not None:
         return engine
     if memory is None:
         return engine.with_(max_total_tokens=CPU_MAX_TOTAL_TOKENS)
     free, total = memory
-    budget = kv_budget(model, engine, free, total)
+    budget = kv_budget(model, engine, free, total) - workspace
     tokens = kv_tokens_for(model, engine, budget)
     if tokens < engine.max_num_batched_tokens:
         raise ConfigError(
             f"gpu_memory_utilization: {engine.gpu_memory_utilization} of {total / GIB:.1f} GiB, less "
             f"{(total - free) / GIB:.1f} GiB in use (weights, other processes) and "
-            f"{activation_reserve(model, engine) / GIB:.1f} GiB for activations, leaves {budget / GIB:.2f} "
+            f"{activation_reserve(model, engine) / GIB:.1f} GiB for activations"
+            + (f" and {workspace / GIB:.1f} GiB of op workspace" if workspace else "")
+            + f", leaves {budget / GIB:.2f} "
             f"GiB for the KV: {tokens} tokens, fewer than max_num_batched_tokens "
             f"({engine.max_num_batched_tokens}); raise it, or set max_total_tokens"
         )
@@ -235,7 +238,8 @@ class ModelRunner:
         if engine.weight_quant == "int8":
             weights = quantize_weights_int8(weights, _int8_names(spec, cfg))
         self.weight_bytes = resident_bytes(weights)  # by format, as held on the device
-        engine = sized_engine(engine, cfg, self.ops.transfers.memory(self.device))  # the weights in place
+        memory = self.ops.transfers.memory(self.device)  # the weights in place
+        engine = sized_engine(engine, cfg, memory, self.ops.workspace(weights))
         if shard.size > 1:  # what every rank can hold
             engine = engine.with_(max_total_tokens=agree_min(engine.kv_tokens, self.device))
         self.engine, self.model_cfg = engine, cfg

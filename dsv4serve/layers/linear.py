@@ -17,7 +17,7 @@ the same signature (e.g. torch_npu's quantized matmul).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +160,27 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     acc = xq.float() @ w.qweight.float().T  # (T, out)
     out = acc * xs[:, None] * w.scale[None, :]
     return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def grouped_linear(
+    x: torch.Tensor, w: Weight, groups: int, matmul: Callable[[torch.Tensor, Weight], torch.Tensor] = linear
+) -> torch.Tensor:
+    """Group g's slice of x's columns times group g's rows of w: x (T, groups * in), w (groups * R, in)
+    -> (T, groups * R), out[:, g R:(g + 1) R] = x[:, g in:(g + 1) in] @ w[g R:(g + 1) R]^T, in x's dtype
+    (DeepSeek-V4's grouped output projection `wo_a`). FP8 blocks (R a multiple of 128): each group a
+    W8A8 `matmul` of its own rows; float: one batched product."""
+    T, R = x.shape[0], w.shape[0] // groups
+    if isinstance(w, Fp8BlockWeight):
+        parts = x.reshape(T, groups, -1)
+        return torch.cat([matmul(parts[:, g], w.rows(g * R, (g + 1) * R)) for g in range(groups)], dim=-1)
+    assert isinstance(w, torch.Tensor), "grouped linear: float or FP8 blocks"
+    grouped = x.reshape(T, groups, -1).transpose(0, 1)  # (G, T, in), a view
+    per_group = w.view(groups, R, -1).transpose(1, 2)  # (G, in, R)
+    # the bmm writes straight into (T, G, R) order: torch copies back itself where a device's bmm
+    # takes no strided output
+    out = torch.empty(T, groups * R, dtype=x.dtype, device=x.device)
+    torch.bmm(grouped, per_group, out=out.view(T, groups, R).transpose(0, 1))
+    return out
 
 
 def quantize_weights_int8(weights: Mapping[str, Weight], names: Collection[str]) -> dict[str, Weight]:

@@ -19,6 +19,7 @@ def backend() -> Backend:
     return Backend(
         name="cuda",
         linear=linear.linear,
+        grouped_linear=linear.grouped_linear,
         rms_norm=norm_rope.rms_norm,
         add_rms_norm=norm_rope.add_rms_norm,
         gating_top_k=routing.gating_top_k,
@@ -44,4 +45,5 @@ def backend() -> Backend:
         transfers=CudaTransfers(),
         graphs=CudaGraphs(),
         collectives="nccl",
+        workspace=experts.prefill_workspace,
     )

@@ -18,6 +18,9 @@ sums: the bytes read are about a quarter of bf16's.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -546,6 +549,15 @@ def _slices(k_dim: int, block_k: int, wanted: int) -> tuple[int, int]:
 GROUPED_MM_PREFILL = hasattr(torch, "_grouped_mm")
 # prefill-sized MXFP4 experts: decoded to bf16 per call (a Triton kernel), then torch._grouped_mm
 FP4_PREFILL_DEQUANTIZED = True
+
+
+def prefill_workspace(weights: Mapping[str, Weight]) -> int:
+    """Device bytes a prefill-sized step's MXFP4 experts take for a while (FP4_PREFILL_DEQUANTIZED): one
+    layer's w1 and w3 decoded to bf16 into one stack, then its w2, all three alive at once (the largest
+    stacked MXFP4 weight, three times). Run 86: a KV pool sized without them left an 80 GB GPU short of
+    the 12 GiB a 256-expert Flash layer asks."""
+    sizes = [math.prod(w.shape) for w in weights.values() if isinstance(w, Mxfp4Weight) and len(w.shape) == 3]
+    return 3 * 2 * max(sizes) if sizes and FP4_PREFILL_DEQUANTIZED else 0
 
 
 def grouped_mm_experts(

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from dsv4serve.backends.cuda.triton_utils import arrival_counters, enter, launch_options, pow2
 from dsv4serve.layers.linear import INT8_MAX, Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
+from dsv4serve.layers.linear import grouped_linear as reference_grouped_linear
 from dsv4serve.layers.linear import linear as reference_linear
 
 SKINNY_MAX_M = 16
@@ -84,6 +85,7 @@ def _gemm_kernel(
     N,
     K,
     K_PER_SPLIT,
+    GROUP_N,
     stride_am,
     stride_wn,
     stride_om,
@@ -91,6 +93,7 @@ def _gemm_kernel(
     FP8: tl.constexpr,
     FP32: tl.constexpr,
     SPLITS: tl.constexpr,
+    GROUPED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -98,11 +101,14 @@ def _gemm_kernel(
 ):
     """One (BLOCK_M, BLOCK_N) tile over one of SPLITS slices of K. Split partials go to the workspace;
     the tile's last program to finish (an arrival counter per tile, left at zero again) sums them in
-    slice order, so the result never depends on which program came last."""
+    slice order, so the result never depends on which program came last. GROUPED: output columns in
+    groups of GROUP_N (a multiple of BLOCK_N) read a's columns g K .. (g + 1) K for their group g."""
     enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(2)
+    if GROUPED:  # a grouped product: this tile's group's columns of a
+        a_ptr += (tl.program_id(1) * BLOCK_N // GROUP_N) * K
     mmask = m < M
     nmask = n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
@@ -271,13 +277,16 @@ def gemm(
     out_dtype: torch.dtype,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8: torch.Tensor | None = None,
+    group_n: int = 0,
 ) -> torch.Tensor:
     """a (M, K) @ w (N, K)^T -> (M, N); int8 operands take (a_scale (M,), w_scale (N,)); an e4m3 w (as
     uint8 bytes) takes its fp32 block scales `fp8` (ceil(N / 128), ceil(K / 128)): each weight decoded
-    in a's dtype."""
-    M, K = a.shape
+    in a's dtype. group_n: a (M, G K), output columns in G groups of group_n, group g's from a's
+    columns g K .. (g + 1) K (`grouped_linear`)."""
+    M, K = a.shape[0], w.shape[1]
     N = w.shape[0]
-    assert w.shape[1] == K and a.stride(-1) == 1 and w.stride(-1) == 1
+    group_n = group_n or N
+    assert N % group_n == 0 and a.shape[1] == N // group_n * K and a.stride(-1) == 1 and w.stride(-1) == 1
     int8 = scales is not None
     fp32 = a.dtype == torch.float32
     assert fp8 is None or (fp8.is_contiguous() and fp8.shape == (triton.cdiv(N, 128), triton.cdiv(K, 128)))
@@ -285,6 +294,7 @@ def gemm(
     if M == 0:
         return out
     bm, bn, bk, splits, warps, stages = _plan(M, N, K, int8, fp32, fp8 is not None)
+    assert group_n == N or group_n % bn == 0, "a tile within one group"
     per_split = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     splits = triton.cdiv(K, per_split)
     ws, counters = out, out
@@ -295,7 +305,8 @@ def gemm(
     a_scale, w_scale = scales if scales is not None else (out, out)
     _gemm_kernel[grid](
         a, w, out, ws, counters, a_scale, w_scale, fp8 if fp8 is not None else out, M, N, K, per_split,
-        a.stride(0), w.stride(0), out.stride(0), INT8=int8, FP8=fp8 is not None, FP32=fp32, SPLITS=splits,
+        group_n, a.stride(0), w.stride(0), out.stride(0),
+        INT8=int8, FP8=fp8 is not None, FP32=fp32, SPLITS=splits, GROUPED=group_n != N,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **launch_options(a),
     )  # fmt: skip
@@ -333,6 +344,24 @@ def fp8_linear(a: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
         q, s = quantize_fp8_rows(a, SCALED_MM_ROWS)
         return torch._scaled_mm(q, w.qweight.t(), s, w.scale.t(), out_dtype=a.dtype)[:M]
     return gemm(a, w.qweight.view(torch.uint8), a.dtype, fp8=w.scale)
+
+
+# One launch for every group of an FP8 grouped product of up to SKINNY_MAX_M rows (wo_a: 8 per layer
+# at Flash dimensions, each 4 MB). Off: never timed on a GPU (tested under the interpreter, compiled
+# for sm_90; no device was lent to measure it), so decode keeps one launch per group.
+GROUPED_FP8_LAUNCH = False
+
+
+def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
+    """The contract of `layers.linear.grouped_linear`: FP8 blocks, a `fp8_linear` per group; with
+    GROUPED_FP8_LAUNCH and up to SKINNY_MAX_M rows, one launch of this module's GEMM over every group
+    (a program's tile reads its group's columns of x); float weights: the reference's batched product."""
+    fp8 = isinstance(w, Fp8BlockWeight) and (w.shape[0] // groups) % 128 == 0
+    if fp8 and GROUPED_FP8_LAUNCH and x.shape[0] <= SKINNY_MAX_M:
+        assert isinstance(w, Fp8BlockWeight)
+        rows = x if x.stride(-1) == 1 else x.contiguous()
+        return gemm(rows, w.qweight.view(torch.uint8), x.dtype, fp8=w.scale, group_n=w.shape[0] // groups)
+    return reference_grouped_linear(x, w, groups, linear)
 
 
 def scaled_mm_serves(a: torch.Tensor, N: int, K: int) -> bool:

@@ -33,6 +33,7 @@ from dsv4serve.backends.npu.norm import npu_add_rms_norm, npu_rms_norm
 from dsv4serve.backends.npu.rope import npu_kv_norm_rope_store, npu_mla_rope_store, npu_q_norm_rope, npu_rope
 from dsv4serve.backends.npu.routing import npu_gating_top_k
 from dsv4serve.config import ConfigError
+from dsv4serve.layers.linear import grouped_linear
 
 # Each op family the npu backend maps, with the Ascend ops it needs (feature-checked at start-up:
 # builds differ by CANN version; `npu_find_op` says where each is looked for); a family whose ops are
@@ -232,6 +233,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
     return replace(
         reference,
         name="npu",
+        grouped_linear=partial(grouped_linear, matmul=families.get("linear", reference.linear)),
         dsv4=replace(reference.dsv4, **grouped["dsv4"]),
         mla=replace(reference.mla, **grouped["mla"]),
         transfers=NpuTransfers(npu),

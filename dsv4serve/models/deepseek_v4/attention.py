@@ -18,7 +18,7 @@ import torch
 from dsv4serve.attention.compressor import CompressorWeights
 from dsv4serve.attention.int8_index import Int8Rows
 from dsv4serve.attention.step import StepMeta
-from dsv4serve.layers.linear import Fp8BlockWeight, Weight
+from dsv4serve.layers.linear import Weight
 from dsv4serve.models.deepseek_v4.config import DeepseekV4Config
 
 if TYPE_CHECKING:
@@ -107,19 +107,8 @@ def _indexer(
 def _grouped_output(
     out: torch.Tensor, w: AttentionWeights, cfg: DeepseekV4Config, ops: Backend
 ) -> torch.Tensor:
+    """Each output group's heads through its rows of wo_a (mixed[t, g] = wo_a[g] @ out[t, g]), then
+    wo_b."""
     T, R = out.shape[0], cfg.o_lora_rank
     G = w.wo_a.shape[0] // R  # the weights' output groups
-    if isinstance(w.wo_a, Fp8BlockWeight):  # each group's product a W8A8 linear of its own rows
-        parts = out.reshape(T, G, -1)
-        return ops.linear(
-            torch.cat([ops.linear(parts[:, g], w.wo_a.rows(g * R, (g + 1) * R)) for g in range(G)], dim=-1),
-            w.wo_b,
-        )
-    assert isinstance(w.wo_a, torch.Tensor), "wo_a: float or FP8 blocks"
-    grouped = out.reshape(T, G, -1).transpose(0, 1)  # (G, T, H*D/G), a view
-    wo_a = w.wo_a.view(G, R, -1).transpose(1, 2)  # (G, H*D/G, o_lora)
-    # mixed[t, g] = wo_a[g] @ grouped[t, g] (einsum "tgi,goi->tgo"), the bmm writing straight into
-    # (T, G, o_lora) order: torch copies back itself where a device's bmm takes no strided output
-    mixed = torch.empty(T, G * R, dtype=out.dtype, device=out.device)
-    torch.bmm(grouped, wo_a, out=mixed.view(T, G, R).transpose(0, 1))
-    return ops.linear(mixed, w.wo_b)
+    return ops.linear(ops.grouped_linear(out.reshape(T, -1), w.wo_a, G), w.wo_b)
