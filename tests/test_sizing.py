@@ -289,6 +289,24 @@ def test_sized_engine_keeps_a_given_capacity_and_sizes_the_rest() -> None:
         sized_engine(engine, glm, (total - 118 * GIB, total), workspace=12 * GIB)
 
 
+def test_plan_keeps_the_cuda_engines_mxfp4_prefill_workspace() -> None:
+    """Official Flash over two devices: `plan` sizes the KV as the CUDA engine does, beside one layer's
+    routed experts (a device's 128) decoded to bf16 for a prefill; bf16 weights keep no such room."""
+    flash = config_from_json_file("deepseek-v4-flash")
+    spec = spec_for("deepseek_v4")
+    p = device_plan(spec, flash, max_running=16, hbm_gib=141, weight_format="official", num_devices=2,
+                    gpu_memory_utilization=0.9)  # fmt: skip
+    engine = EngineConfig(device="cuda", max_num_seqs=16)
+    total = int(141 * GIB)
+    workspace = 3 * 2 * 128 * 2048 * 4096  # w1, w3 and w2 of 128 experts, 2048 x 4096 each, bf16
+    sized = sized_engine(engine, flash, (total - p.weight_bytes_per_device, total), workspace)
+    assert p.engine_max_total_tokens == sized.kv_tokens > 0
+    assert (
+        p.engine_max_total_tokens
+        < sized_engine(engine, flash, (total - p.weight_bytes_per_device, total)).kv_tokens
+    )
+
+
 def test_a_runner_sizes_its_pools_from_the_device_memory(tiny_model_dir: Path) -> None:
     """The tiny checkpoint on a backend whose transfers report a device with 3 MiB left for the KV."""
     from dsv4serve.backends import select

@@ -125,6 +125,7 @@ def plan(
         )  # fmt: skip
         total = int(hbm_gib * GIB)
         budget = kv_budget(model, engine, free=total, total=total)  # + the weights, as plan_kv counts them
+        budget -= prefill_workspace(spec, model, weight_format, num_devices)
         engine_tokens = kv_tokens_for(model, engine, budget - w_device)
     kv = plan_kv(
         model.kv_layout,
@@ -186,6 +187,22 @@ def device_share(
         params += math.prod(held.shape) // parts
         total += -(-tensor_bytes(held, weight_format) // parts)
     return params, total
+
+
+def prefill_workspace(
+    spec: ModelSpec[Any], model: ServedModelConfig, weight_format: str, num_devices: int
+) -> int:
+    """What the CUDA engine keeps beside the KV for a prefill's decoded MXFP4 experts (the backend's
+    `workspace`): one layer's routed experts in bf16, the device's share of them."""
+    if weight_format == "bf16":
+        return 0
+    naming, layers = spec.names(model), {}
+    for name, held in spec.schema(model).items():
+        stacked = naming.expert(name)
+        if held.disk == "mxfp4" and stacked is not None:
+            layer = stacked[0].rsplit(".", 1)[0]  # the layer's experts, whatever the part
+            layers[layer] = layers.get(layer, 0) + math.prod(held.shape)
+    return 2 * max(layers.values(), default=0) // num_devices
 
 
 def tensor_bytes(spec: TensorSpec, weight_format: str) -> int:
