@@ -196,7 +196,7 @@ def prefill_workspace(
     `workspace`): one layer's routed experts in bf16, the device's share of them."""
     if weight_format == "bf16":
         return 0
-    naming, layers = spec.names(model), {}
+    naming, layers = spec.names(model), dict[str, int]()
     for name, held in spec.schema(model).items():
         stacked = naming.expert(name)
         if held.disk == "mxfp4" and stacked is not None:
