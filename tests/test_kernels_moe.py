@@ -273,6 +273,18 @@ def test_gate_up_view_only_for_w3_right_after_w1() -> None:
     assert gate_up_view(w1, other[:, 5:]) is None  # the same strides, another buffer
 
 
+def _expert_weights(fmt: str, experts: int, hidden: int, inter: int, gen: torch.Generator) -> tuple:
+    """Random w1, w2, w3 stacks: MXFP4 packed, int8 (W8A8) or float (any other `fmt`)."""
+    if fmt == "mxfp4":
+        w1, w3 = (random_mxfp4((experts, inter, hidden), gen) for _ in range(2))
+        return w1, random_mxfp4((experts, hidden, inter), gen), w3
+    floats = tuple(
+        on_device(torch.randn(experts, *s, generator=gen) / s[-1] ** 0.5)
+        for s in ((inter, hidden), (hidden, inter), (inter, hidden))
+    )
+    return tuple(quantize_int8(w) for w in floats) if fmt == "int8" else floats
+
+
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("fmt", ["float", "int8", "mxfp4", "shared"])
 def test_decode_experts_summed_in_k_slices_match_reference(
@@ -288,16 +300,7 @@ def test_decode_experts_summed_in_k_slices_match_reference(
     experts, hidden, inter, tokens = 8, 224, 160, 5
     x = torch.randn(tokens, hidden, generator=gen)
     weights, ids = gating_top_k(x @ torch.randn(experts, hidden, generator=gen).T, 2, norm_type=2)
-    if fmt == "mxfp4":
-        w1, w3 = (random_mxfp4((experts, inter, hidden), gen) for _ in range(2))
-        w2: object = random_mxfp4((experts, hidden, inter), gen)
-    else:
-        w1, w2, w3 = (
-            on_device(torch.randn(experts, *s, generator=gen) / s[-1] ** 0.5)
-            for s in ((inter, hidden), (hidden, inter), (inter, hidden))
-        )
-        if fmt == "int8":
-            w1, w2, w3 = (quantize_int8(w) for w in (w1, w2, w3))  # type: ignore[arg-type]
+    w1, w2, w3 = _expert_weights(fmt, experts, hidden, inter, gen)
     shared = tuple(w[experts - 1] for w in (w1, w2, w3)) if fmt == "shared" else None  # type: ignore[index]
     x, weights, ids = on_device(x), on_device(weights), on_device(ids)
     block_k = kt._tiles(tokens * 3, True, fmt == "int8", fmt == "mxfp4")[2]
@@ -318,14 +321,7 @@ def test_a_token_gets_the_same_bits_whether_its_slices_split_or_not(
     experts, hidden, inter, tokens = 4, 256, 256, 6
     x = on_device(torch.randn(tokens, hidden, generator=gen))
     weights, ids = gating_top_k(x @ on_device(torch.randn(experts, hidden, generator=gen)).T, 2)
-    if fmt == "mxfp4":
-        w1, w3 = (random_mxfp4((experts, inter, hidden), gen) for _ in range(2))
-        w2: object = random_mxfp4((experts, hidden, inter), gen)
-    else:
-        w1, w2, w3 = (
-            on_device(torch.randn(experts, *s, generator=gen) / s[-1] ** 0.5)
-            for s in ((inter, hidden), (hidden, inter), (inter, hidden))
-        )
+    w1, w2, w3 = _expert_weights(fmt, experts, hidden, inter, gen)
     monkeypatch.setattr(kt, "DECODE_SLICES", {"float": (4, 4), "mxfp4": (4, 4), "int8": (1, 1)})
     assert kt._slices(hidden, kt._tiles(tokens * 2, True, False, fmt == "mxfp4")[2], 4)[0] == 4
     monkeypatch.setattr(kt, "SPLIT_BELOW", 1 << 30)
