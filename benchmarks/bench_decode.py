@@ -36,12 +36,18 @@ position's logits only, as the engine computes them). `matmul_ms` is the floor o
 prefill set by its matrix products alone: every `F.linear`, `torch._grouped_mm`, `torch.bmm` and
 `torch.einsum` call of one eager prefill recorded with its very tensors and replayed back to back in a
 CUDA graph (no attention, norms, mHC, routing or host work).
+
+`--set MODULE.NAME=VALUE ...` sets constants of the CUDA backend's modules before the engine is built
+(e.g. `experts.SPLIT_BELOW=0`, `linear.GROUPED_FP8_LAUNCH=True`): two runs on one machine, one with and
+one without, time one change; the JSON's `set` records what was set.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
+import importlib
 import json
 import math
 import random
@@ -575,6 +581,21 @@ def save(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(REPORT, indent=1))
 
 
+def set_constants(assignments: list[str]) -> dict[str, Any]:
+    """Each `module.NAME=value` (a module of dsv4serve.backends.cuda, a Python literal) set before the
+    engine is built; the names must exist already."""
+    done = {}
+    for item in assignments:
+        target, _, text = item.partition("=")
+        module_name, _, name = target.rpartition(".")
+        module = importlib.import_module(f"dsv4serve.backends.cuda.{module_name}")
+        if not text or not hasattr(module, name):
+            raise SystemExit(f"--set {item!r}: no constant {name!r} in {module.__name__}")
+        setattr(module, name, ast.literal_eval(text))
+        done[target] = getattr(module, name)
+    return done
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(FAMILIES), default="deepseek_v4")
@@ -594,7 +615,16 @@ def main() -> None:
         "--weights", choices=("bf16", "official", "w8a8"), default="bf16", help="the weights' formats"
     )
     parser.add_argument("--accuracy", type=int, default=256, help="prompts of the native-vs-bf16 check")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="set a constant of a CUDA-backend module first (e.g. linear.GROUPED_FP8_LAUNCH=True): A / B "
+        "of one change on one machine; the JSON records it",
+    )
     args = parser.parse_args()
+    REPORT["set"] = set_constants(args.set)
     device = "cpu" if args.dry_run else "cuda"
     torch.manual_seed(0)
     started = time.perf_counter()

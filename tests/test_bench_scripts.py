@@ -38,13 +38,15 @@ def test_bench_decode_dry_run(model: str, weights: str) -> None:
     """official: MXFP4 experts resident packed (transformers on the values they encode: the same
     greedy run), FP8 linears' values; the roofline counts the packed experts' bytes. w8a8: the int8
     projections resident as int8."""
+    setting = ["--set", "experts.SPLIT_BELOW=0"] if weights == "official" else []
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--model", model, *ARGS,
-         "--steps", "3", "--profile", "--weights", weights],
+         "--steps", "3", "--profile", "--weights", weights, *setting],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["set"] == ({"experts.SPLIT_BELOW": 0} if setting else {})
     assert report["model"] == model and list(report["prefill"]) == ["2x24"] and report["weights"] == weights
     resident = report["resident_weight_bytes"]
     assert ("mxfp4" in resident) == ("fp8" in resident) == (weights == "official"), resident
@@ -57,6 +59,15 @@ def test_bench_decode_dry_run(model: str, weights: str) -> None:
         assert entry["core_ms"] > 0 and entry["roofline_ms"] > 0 and entry["bytes"]["kv"] > 0
         moe_layers = 3 if model == "glm4_moe_lite" else 4  # 4 layers; GLM-4.7-Flash's first is dense
         assert entry["hf_ms"] > 0 and len(entry["distinct_experts"]) == moe_layers
+
+
+def test_bench_decode_refuses_a_constant_it_does_not_have() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--dry-run", "--set",
+         "linear.NO_SUCH=1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0 and "no constant 'NO_SUCH'" in done.stderr
 
 
 def test_bench_long_prompt_dry_run() -> None:
