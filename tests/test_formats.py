@@ -600,11 +600,14 @@ def test_experts_mixing_formats_are_refused(
         _ct_variant(small, tmp_path / "ct", tensors, config, quant, file)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_grouped_wo_a_kept_fp8_is_a_w8a8_linear_per_group(backend: str) -> None:
+@pytest.mark.parametrize("backend", ["reference", "triton", "triton_one_launch"])
+def test_grouped_wo_a_kept_fp8_is_a_w8a8_linear_per_group(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """DeepSeek-V4's grouped output projection kept FP8 (each group's 128 output rows whole blocks):
     each group is the W8A8 linear of its own input slice and rows, on the reference and the Triton
-    kernels (interpreter) alike; where a group's rows split blocks, the model decodes wo_a instead."""
+    kernels (interpreter: a launch per group, or one for all) alike; where a group's rows split
+    blocks, the model decodes wo_a instead."""
     from types import SimpleNamespace
 
     from dsv4serve.backends.cuda import linear as triton_linear
@@ -621,8 +624,13 @@ def test_grouped_wo_a_kept_fp8_is_a_w8a8_linear_per_group(backend: str) -> None:
     out = torch.randn(T, G * inner, generator=gen)
     w = AttentionWeights(None, None, None, None, None, wo_a, wo_b, None, None, None)  # type: ignore[arg-type]
     cfg = SimpleNamespace(o_groups=G, o_lora_rank=R)
-    fn = reference.linear if backend == "reference" else triton_linear.linear
-    got = _grouped_output(out, w, cfg, SimpleNamespace(linear=fn))  # type: ignore[arg-type]
+    monkeypatch.setattr(triton_linear, "GROUPED_FP8_LAUNCH", backend == "triton_one_launch")
+    ops = (
+        SimpleNamespace(linear=reference.linear, grouped_linear=reference.grouped_linear)
+        if backend == "reference"
+        else SimpleNamespace(linear=triton_linear.linear, grouped_linear=triton_linear.grouped_linear)
+    )
+    got = _grouped_output(out, w, cfg, ops)  # type: ignore[arg-type]
     mixed = torch.cat(
         [
             reference.linear(out[:, g * inner : (g + 1) * inner], wo_a.rows(g * R, (g + 1) * R))
