@@ -31,6 +31,7 @@ from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Wei
 from dsv4serve.moe.experts import gate_up_view, swiglu
 
 SMALL_ALIGN = 1024  # at most this many pairs: align in one Triton program instead of a dozen torch ops
+DECODE_PAIRS = 2048  # at most this many (token, slot) pairs: decode tiles and K slices; more: prefill paths
 
 
 @triton.jit
@@ -516,7 +517,7 @@ def _sum_slots_kernel(y_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.cons
 def _tiles(num_pairs: int, fp32: bool, int8: bool, fp4: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 16-row blocks for decode-sized batches (MXFP4
     in bf16: 128 x 64, the best of bench_experts.py's sweep at 64 tokens on the H200, run 73)."""
-    if num_pairs <= 2048:
+    if num_pairs <= DECODE_PAIRS:
         if fp4 and not fp32:
             return 16, 128, 64, 4, 3
         return 16, 64, 32 if fp32 else (64 if int8 else 128), 4, 3
@@ -525,7 +526,7 @@ def _tiles(num_pairs: int, fp32: bool, int8: bool, fp4: bool = False) -> tuple[i
     return 128, 128, 64, 8, 3  # the fastest of bench_kernels.py's sweep on the H200
 
 
-# Decode-sized calls (at most 2048 pairs) sum each K loop in slices, a number fixed by the format and
+# Decode-sized calls (at most DECODE_PAIRS) sum each K loop in slices, a number fixed by the format and
 # the weights' shape (gate/up, down), so that a few tokens' experts can spread over more programs
 # (one slice each) when their tiles alone would leave SMs idle, with the same result as one program
 # taking every slice: a token's output never depends on how many others share its step. int32 sums
@@ -542,6 +543,18 @@ def _slices(k_dim: int, block_k: int, wanted: int) -> tuple[int, int]:
     slices = max(1, min(wanted, k_dim // (2 * block_k)))
     per_slice = triton.cdiv(triton.cdiv(k_dim, slices), block_k) * block_k
     return triton.cdiv(k_dim, per_slice), per_slice
+
+
+def _split_workspace(
+    grid: tuple[int, int, int], rows: int, width: int, like: torch.Tensor, acc_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(workspace, arrival counters) of an expert kernel whose grid splits K over grid[2] programs:
+    fp32 / int32 partials (splits, rows, width) by pair, a counter per tile; `like` stands in for
+    both when nothing splits."""
+    if grid[2] == 1:
+        return like, like
+    ws = torch.empty(grid[2], rows, width, dtype=acc_dtype, device=like.device)
+    return ws, arrival_counters(like.device, grid[0] * grid[1])
 
 
 # prefill-sized bf16 experts through torch._grouped_mm (CUTLASS): 7.6 vs 8.2 ms per layer for 8 x 1024
@@ -710,7 +723,8 @@ def routed_experts(
     if T == 0:
         return torch.zeros_like(x)
     fp32 = x.dtype == torch.float32
-    prefill_mm = GROUPED_MM_PREFILL and T * ids.shape[1] > 2048 and x.dtype == torch.bfloat16 and x.is_cuda
+    big = T * ids.shape[1] > DECODE_PAIRS
+    prefill_mm = GROUPED_MM_PREFILL and big and x.dtype == torch.bfloat16 and x.is_cuda
     plain_shared = shared is None or all(isinstance(s, torch.Tensor) for s in shared)
     if prefill_mm and fp4 and FP4_PREFILL_DEQUANTIZED and plain_shared:  # W4A16 on bf16 tensor cores
         assert isinstance(w1, Mxfp4Weight) and isinstance(w2, Mxfp4Weight) and isinstance(w3, Mxfp4Weight)
@@ -747,18 +761,18 @@ def routed_experts(
         assert s is not None and s.is_contiguous(), "MXFP4 experts: scales (E, out, in / 32) contiguous"
     scaled, ptx = int8 or fp4, fp4 and ptx_enabled(x.device)
     acc_dtype = torch.int32 if int8 else torch.float32
-    wanted = DECODE_SLICES["int8" if int8 else "mxfp4" if fp4 else "float"] if num_pairs <= 2048 else (1, 1)
+    decode = num_pairs <= DECODE_PAIRS  # as `_tiles` decides
+    wanted = DECODE_SLICES["int8" if int8 else "mxfp4" if fp4 else "float"] if decode else (1, 1)
     tiles_live = min(num_pairs, num_experts + (shared is not None))  # at most one block each, when few
     slices, per_slice = _slices(hidden, bk, wanted[0])
-    splits = slices if int8 or tiles_live * triton.cdiv(inter, bn) < SPLIT_BELOW else 1
-    grid = (num_blocks, triton.cdiv(inter, bn), splits)
-    ws = torch.empty(splits if splits > 1 else 0, num_pairs, 2 * inter, dtype=acc_dtype, device=x.device)
-    counters = arrival_counters(x.device, grid[0] * grid[1]) if splits > 1 else ws
+    split = int8 or tiles_live * triton.cdiv(inter, bn) < SPLIT_BELOW  # int32 sums: exact in any order
+    grid = (num_blocks, triton.cdiv(inter, bn), slices if split else 1)
+    ws, counters = _split_workspace(grid, num_pairs, 2 * inter, h, acc_dtype)
     _gate_up_kernel[grid](
         a, a_scale, q1, q3, s1 if scaled else a, s3 if scaled else a, sq1, sq3, ss1 if int8 else a,
         ss3 if int8 else a, pairs, block_expert, h, ws, counters, num_pairs, num_experts, top_k, hidden,
         inter, per_slice, num_pairs * 2 * inter, a.stride(0), q1.stride(0), q3.stride(0), limit,
-        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None, SLICES=slices, SPLITS=splits,
+        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None, SLICES=slices, SPLITS=grid[2],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **launch_options(a),
     )  # fmt: skip
@@ -770,15 +784,14 @@ def routed_experts(
     assert s2 is None or s2.is_contiguous()
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     slices, per_slice = _slices(inter, bk, wanted[1])
-    splits = slices if int8 or tiles_live * triton.cdiv(hidden, bn) < SPLIT_BELOW else 1
-    grid = (num_blocks, triton.cdiv(hidden, bn), splits)
-    ws = torch.empty(splits if splits > 1 else 0, num_pairs, hidden, dtype=acc_dtype, device=x.device)
-    counters = arrival_counters(x.device, grid[0] * grid[1]) if splits > 1 else ws
+    split = int8 or tiles_live * triton.cdiv(hidden, bn) < SPLIT_BELOW
+    grid = (num_blocks, triton.cdiv(hidden, bn), slices if split else 1)
+    ws, counters = _split_workspace(grid, num_pairs, hidden, y, acc_dtype)
     _down_kernel[grid](
         a2, a2_scale, q2, s2 if scaled else a2, sq2, ss2 if int8 else a2, pairs, block_expert,
         weights.contiguous(), y, ws, counters, num_pairs, num_experts, routed, hidden, inter, per_slice,
         num_pairs * hidden, q2.stride(0),
-        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None, SLICES=slices, SPLITS=splits,
+        INT8=int8, FP4=fp4, PTX=ptx, FP32=fp32, HAS_SHARED=shared is not None, SLICES=slices, SPLITS=grid[2],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **launch_options(a2),
     )  # fmt: skip

@@ -233,7 +233,7 @@ def backend(npu: ModuleType | None = None) -> Backend:
     return replace(
         reference,
         name="npu",
-        grouped_linear=partial(grouped_linear, matmul=families.get("linear", reference.linear)),
+        grouped_linear=partial(grouped_linear, matmul=linear),  # the linear family's choice, per group
         dsv4=replace(reference.dsv4, **grouped["dsv4"]),
         mla=replace(reference.mla, **grouped["mla"]),
         transfers=NpuTransfers(npu),
