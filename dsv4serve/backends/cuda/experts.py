@@ -26,7 +26,15 @@ import triton
 import triton.language as tl
 
 from dsv4serve.backends.cuda.linear import linear, quantize_rows
-from dsv4serve.backends.cuda.triton_utils import arrival_counters, enter, launch_options, pow2, ptx_enabled
+from dsv4serve.backends.cuda.triton_utils import (
+    arrival_counters,
+    arrive_last,
+    enter,
+    launch_options,
+    pow2,
+    ptx_enabled,
+    sum_partials,
+)
 from dsv4serve.layers.linear import Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
 from dsv4serve.moe.experts import gate_up_view, swiglu
 
@@ -266,28 +274,6 @@ def dequantize_fp4(w: Mxfp4Weight, out: torch.Tensor | None = None) -> torch.Ten
 
 
 @triton.jit
-def _arrive(counter_ptr, tile, live, SPLITS: tl.constexpr):
-    """Whether this program is the last of the SPLITS programs of `tile` to store its partial (every
-    program's stores made visible first); the last one puts the counter back to zero. Tiles of no
-    pairs (`live` false in all their programs) neither count nor finish."""
-    tl.debug_barrier()  # every warp's partial stored before the (one-thread) release below
-    arrived = tl.atomic_add(counter_ptr + tile, 1, mask=live, sem="acq_rel", scope="gpu")
-    last = live & (arrived == SPLITS - 1)
-    tl.atomic_xchg(counter_ptr + tile, 0, mask=last)  # ready for the next call (and graph replay)
-    return last
-
-
-@triton.jit
-def _sum_partials(part_ptrs, mask, stride, like, SPLITS: tl.constexpr):
-    """The SPLITS partials at part_ptrs + j * stride summed in slice order (the result never depends
-    on which program finished last); zeros where not `mask`."""
-    total = tl.zeros(like.shape, like.dtype)
-    for j in tl.static_range(SPLITS):
-        total += tl.load(part_ptrs + j * stride, mask=mask, other=0, cache_modifier=".cg")
-    return total
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr,
     x_scale_ptr,
@@ -385,9 +371,9 @@ def _gate_up_kernel(
         part = pmask[:, None] & nmask[None, :]
         tl.store(ws_ptr + tl.program_id(2) * SPLIT_STRIDE + cols, acc_g, mask=part)
         tl.store(ws_ptr + tl.program_id(2) * SPLIT_STRIDE + cols + INTER, acc_u, mask=part)
-        last = _arrive(counter_ptr, b * tl.num_programs(1) + tl.program_id(1), live, SPLITS)
-        acc_g = _sum_partials(ws_ptr + cols, part & last, SPLIT_STRIDE, acc_g, SPLITS)
-        acc_u = _sum_partials(ws_ptr + cols + INTER, part & last, SPLIT_STRIDE, acc_u, SPLITS)
+        last = arrive_last(counter_ptr, b * tl.num_programs(1) + tl.program_id(1), live, SPLITS)
+        acc_g = sum_partials(ws_ptr + cols, part & last, SPLIT_STRIDE, acc_g, SPLITS)
+        acc_u = sum_partials(ws_ptr + cols + INTER, part & last, SPLIT_STRIDE, acc_u, SPLITS)
         live = live & last
     if INT8:
         xs = tl.load(x_scale_ptr + tok, mask=pmask, other=0.0)[:, None]
@@ -482,8 +468,8 @@ def _down_kernel(
         cols = pair.to(tl.int64)[:, None] * HIDDEN + n[None, :]
         part = pmask[:, None] & nmask[None, :]
         tl.store(ws_ptr + tl.program_id(2) * SPLIT_STRIDE + cols, acc, mask=part)
-        last = _arrive(counter_ptr, b * tl.num_programs(1) + tl.program_id(1), live, SPLITS)
-        acc = _sum_partials(ws_ptr + cols, part & last, SPLIT_STRIDE, acc, SPLITS)
+        last = arrive_last(counter_ptr, b * tl.num_programs(1) + tl.program_id(1), live, SPLITS)
+        acc = sum_partials(ws_ptr + cols, part & last, SPLIT_STRIDE, acc, SPLITS)
         pmask = pmask & last
     if INT8:
         hs = tl.load(h_scale_ptr + r, mask=pmask, other=0.0)[:, None]

@@ -21,7 +21,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dsv4serve.backends.cuda.triton_utils import arrival_counters, enter, launch_options, pow2
+from dsv4serve.backends.cuda.triton_utils import (
+    arrival_counters,
+    arrive_last,
+    enter,
+    launch_options,
+    pow2,
+    prefetch_l2,
+    ptx_enabled,
+    sum_partials,
+)
 from dsv4serve.layers.linear import INT8_MAX, Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
 from dsv4serve.layers.linear import grouped_linear as reference_grouped_linear
 from dsv4serve.layers.linear import linear as reference_linear
@@ -97,22 +106,27 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile over one of SPLITS slices of K. Split partials go to the workspace;
     the tile's last program to finish (an arrival counter per tile, left at zero again) sums them in
     slice order, so the result never depends on which program came last. GROUPED: output columns in
-    groups of GROUP_N (a multiple of BLOCK_N) read a's columns g K .. (g + 1) K for their group g."""
-    enter(PDL)
+    groups of GROUP_N (a multiple of BLOCK_N) read a's columns g K .. (g + 1) K for their group g.
+    PREFETCH: the tile's weight rows (its K slice) requested into L2 before `enter`."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(2)
+    k_lo = s * K_PER_SPLIT
+    if PREFETCH:  # weights are never written during a step: safe to read before the wait
+        row_bytes = tl.minimum(K_PER_SPLIT, K - k_lo) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        prefetch_l2(w_ptr + n.to(tl.int64) * stride_wn + k_lo, tl.zeros_like(n) + row_bytes, n < N)
+    enter(PDL)
     if GROUPED:  # a grouped product: this tile's group's columns of a
         a_ptr += (tl.program_id(1) * BLOCK_N // GROUP_N) * K
     mmask = m < M
     nmask = n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
-    k_lo = s * K_PER_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
@@ -148,14 +162,9 @@ def _gemm_kernel(
         part = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
         tl.store(part + s * M * N, acc, mask=mask)
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        tl.debug_barrier()  # every warp's partial stored before the (one-thread) release below
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:  # every other slice's partial is in the workspace
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.int32 if INT8 else tl.float32)
-            for j in tl.static_range(SPLITS):  # a fixed order: the result never depends on scheduling
-                total += tl.load(part + j * M * N, mask=mask, other=0, cache_modifier=".cg")
+        if arrive_last(counter_ptr, tile, s < SPLITS, SPLITS):  # (every program is live) the others stored
+            total = sum_partials(part, mask, M * N, acc, SPLITS)
             _store_tile(total, out_ptr, a_scale_ptr, w_scale_ptr, m, n, mmask, nmask, stride_om, INT8)
-            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call (and graph replay)
 
 
 @triton.jit
@@ -303,14 +312,26 @@ def gemm(
         ws = torch.empty(splits, M, N, dtype=torch.int32 if int8 else torch.float32, device=a.device)
         counters = arrival_counters(a.device, grid[0] * grid[1])
     a_scale, w_scale = scales if scales is not None else (out, out)
+    prefetch = PREFETCH_WEIGHTS and grid[0] == 1 and _bulk_aligned(w) and ptx_enabled(a.device)
     _gemm_kernel[grid](
         a, w, out, ws, counters, a_scale, w_scale, fp8 if fp8 is not None else out, M, N, K, per_split,
         group_n, a.stride(0), w.stride(0), out.stride(0),
         INT8=int8, FP8=fp8 is not None, FP32=fp32, SPLITS=splits, GROUPED=group_n != N,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch,
         num_warps=warps, num_stages=stages, **launch_options(a),
     )  # fmt: skip
     return out
+
+
+# One tile of rows (decode): each program asks L2 for its weight rows before waiting on the kernel
+# before it (PDL), so the fetch overlaps that kernel's tail. Off: not yet timed on a GPU.
+PREFETCH_WEIGHTS = False
+
+
+def _bulk_aligned(w: torch.Tensor) -> bool:
+    """Whether every weight row a tile reads starts and ends on 16 bytes (a bulk prefetch's unit)."""
+    size = w.element_size()
+    return w.data_ptr() % 16 == 0 and (w.stride(0) * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -48,6 +48,28 @@ def enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def arrive_last(counter_ptr, tile, live, SPLITS: tl.constexpr):
+    """Whether this program is the last of the SPLITS programs of `tile` to store its partial (every
+    program's stores made visible first); the last one puts the counter back to zero. Tiles of no
+    pairs (`live` false in all their programs) neither count nor finish."""
+    tl.debug_barrier()  # every warp's partial stored before the (one-thread) release below
+    arrived = tl.atomic_add(counter_ptr + tile, 1, mask=live, sem="acq_rel", scope="gpu")
+    last = live & (arrived == SPLITS - 1)
+    tl.atomic_xchg(counter_ptr + tile, 0, mask=last)  # ready for the next call (and graph replay)
+    return last
+
+
+@triton.jit
+def sum_partials(part_ptrs, mask, stride, like, SPLITS: tl.constexpr):
+    """The SPLITS partials at part_ptrs + j * stride summed in slice order (the result never depends
+    on which program finished last); zeros where not `mask`."""
+    total = tl.zeros(like.shape, like.dtype)
+    for j in tl.static_range(SPLITS):
+        total += tl.load(part_ptrs + j * stride, mask=mask, other=0, cache_modifier=".cg")
+    return total
+
+
 def launch_options(t: torch.Tensor) -> dict[str, bool]:
     """The launch arguments of a kernel over `t`'s device: {"PDL": ..., "launch_pdl": ...} (both set
     on a CUDA device of compute capability 9 or more, unless DSV4SERVE_PDL=0; {"PDL": False} on the
@@ -78,6 +100,26 @@ def ptx_enabled(device: torch.device) -> bool:
     if os.environ.get("DSV4SERVE_PTX", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+# One L2 bulk prefetch per element (cp.async.bulk.prefetch.L2, Hopper): $1 a 16-byte aligned address,
+# $2 a byte count (a multiple of 16), skipped where $3 is 0. The output is a dummy.
+_PREFETCH_L2_PTX = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $3, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def prefetch_l2(ptrs, nbytes, live):
+    """Ask L2 for `nbytes` (int32, a multiple of 16) from each of `ptrs` (16-byte aligned) where `live`:
+    read-only data a kernel will stream (weights), requested before `enter` so that a program placed
+    early by PDL fetches while the kernel before it still runs. Changes no value; Hopper PTX only."""
+    tl.inline_asm_elementwise(
+        _PREFETCH_L2_PTX, "=r,l,r,r", [ptrs, nbytes, live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
