@@ -38,7 +38,7 @@ prefill set by its matrix products alone: every `F.linear`, `torch._grouped_mm`,
 CUDA graph (no attention, norms, mHC, routing or host work).
 
 `--set MODULE.NAME=VALUE ...` sets constants of the CUDA backend's modules before the engine is built
-(e.g. `experts.SPLIT_BELOW=0`, `linear.GROUPED_FP8_LAUNCH=True`): two runs on one machine, one with and
+(e.g. `experts.SPLIT_BELOW=0`, `linear.GROUPED_FP8_LAUNCH=False`): two runs on one machine, one with and
 one without, time one change; the JSON's `set` records what was set.
 """
 
@@ -620,7 +620,7 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="MODULE.NAME=VALUE",
-        help="set a constant of a CUDA-backend module first (e.g. linear.GROUPED_FP8_LAUNCH=True): A / B "
+        help="set a constant of a CUDA-backend module first (e.g. linear.GROUPED_FP8_LAUNCH=False): A / B "
         "of one change on one machine; the JSON records it",
     )
     args = parser.parse_args()

@@ -27,6 +27,7 @@ from dsv4serve.models.deepseek_v4.tiny import make_tiny, tiny_config
 from dsv4serve.models.registry import config_from_dir
 from dsv4serve.models.spec import CheckpointError
 from tests.checkpoints import expert_slot, int8_names, load_checkpoint
+from tests.kernel_cases import on_device
 
 ENGINE = EngineConfig(dtype="float32", page_size=8, max_num_seqs=4, max_total_tokens=1024)
 SEED = 6
@@ -622,7 +623,9 @@ def test_grouped_wo_a_kept_fp8_is_a_w8a8_linear_per_group(
     wo_a = Fp8BlockWeight(q, torch.exp2(s.float() - 127))
     wo_b = torch.randn(64, G * R, generator=gen) / (G * R) ** 0.5
     out = torch.randn(T, G * inner, generator=gen)
-    w = AttentionWeights(None, None, None, None, None, wo_a, wo_b, None, None, None)  # type: ignore[arg-type]
+    dev = (lambda t: t) if backend == "reference" else on_device  # the kernels run on the test device
+    on = Fp8BlockWeight(dev(q), dev(wo_a.scale))
+    w = AttentionWeights(None, None, None, None, None, on, dev(wo_b), None, None, None)  # type: ignore[arg-type]
     cfg = SimpleNamespace(o_groups=G, o_lora_rank=R)
     monkeypatch.setattr(triton_linear, "GROUPED_FP8_LAUNCH", backend == "triton_one_launch")
     ops = (
@@ -630,7 +633,7 @@ def test_grouped_wo_a_kept_fp8_is_a_w8a8_linear_per_group(
         if backend == "reference"
         else SimpleNamespace(linear=triton_linear.linear, grouped_linear=triton_linear.grouped_linear)
     )
-    got = _grouped_output(out, w, cfg, ops)  # type: ignore[arg-type]
+    got = _grouped_output(dev(out), w, cfg, ops).cpu()  # type: ignore[arg-type]
     mixed = torch.cat(
         [
             reference.linear(out[:, g * inner : (g + 1) * inner], wo_a.rows(g * R, (g + 1) * R))

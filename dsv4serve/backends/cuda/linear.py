@@ -27,8 +27,6 @@ from dsv4serve.backends.cuda.triton_utils import (
     enter,
     launch_options,
     pow2,
-    prefetch_l2,
-    ptx_enabled,
     sum_partials,
 )
 from dsv4serve.layers.linear import INT8_MAX, Fp8BlockWeight, Int8Weight, Mxfp4Weight, Weight
@@ -106,22 +104,17 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile over one of SPLITS slices of K. Split partials go to the workspace;
     the tile's last program to finish (an arrival counter per tile, left at zero again) sums them in
     slice order, so the result never depends on which program came last. GROUPED: output columns in
-    groups of GROUP_N (a multiple of BLOCK_N) read a's columns g K .. (g + 1) K for their group g.
-    PREFETCH: the tile's weight rows (its K slice) requested into L2 before `enter`."""
+    groups of GROUP_N (a multiple of BLOCK_N) read a's columns g K .. (g + 1) K for their group g."""
+    enter(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = tl.program_id(2)
     k_lo = s * K_PER_SPLIT
-    if PREFETCH:  # weights are never written during a step: safe to read before the wait
-        row_bytes = tl.minimum(K_PER_SPLIT, K - k_lo) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        prefetch_l2(w_ptr + n.to(tl.int64) * stride_wn + k_lo, tl.zeros_like(n) + row_bytes, n < N)
-    enter(PDL)
     if GROUPED:  # a grouped product: this tile's group's columns of a
         a_ptr += (tl.program_id(1) * BLOCK_N // GROUP_N) * K
     mmask = m < M
@@ -312,26 +305,14 @@ def gemm(
         ws = torch.empty(splits, M, N, dtype=torch.int32 if int8 else torch.float32, device=a.device)
         counters = arrival_counters(a.device, grid[0] * grid[1])
     a_scale, w_scale = scales if scales is not None else (out, out)
-    prefetch = PREFETCH_WEIGHTS and grid[0] == 1 and _bulk_aligned(w) and ptx_enabled(a.device)
     _gemm_kernel[grid](
         a, w, out, ws, counters, a_scale, w_scale, fp8 if fp8 is not None else out, M, N, K, per_split,
         group_n, a.stride(0), w.stride(0), out.stride(0),
         INT8=int8, FP8=fp8 is not None, FP32=fp32, SPLITS=splits, GROUPED=group_n != N,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, **launch_options(a),
     )  # fmt: skip
     return out
-
-
-# One tile of rows (decode): each program asks L2 for its weight rows before waiting on the kernel
-# before it (PDL), so the fetch overlaps that kernel's tail. Off: not yet timed on a GPU.
-PREFETCH_WEIGHTS = False
-
-
-def _bulk_aligned(w: torch.Tensor) -> bool:
-    """Whether every weight row a tile reads starts and ends on 16 bytes (a bulk prefetch's unit)."""
-    size = w.element_size()
-    return w.data_ptr() % 16 == 0 and (w.stride(0) * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -368,9 +349,9 @@ def fp8_linear(a: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
 
 
 # One launch for every group of an FP8 grouped product of up to SKINNY_MAX_M rows (wo_a: 8 per layer
-# at Flash dimensions, each 4 MB). Off: never timed on a GPU (tested under the interpreter, compiled
-# for sm_90; no device was lent to measure it), so decode keeps one launch per group.
-GROUPED_FP8_LAUNCH = False
+# at Flash dimensions, each 4 MB) instead of one per group: run 87 on an H100, official weights, 4
+# layers, the b1 1k decode step's replay 1.474 -> 1.338 ms, b8 3.009 -> 2.872, b64 unchanged (6.5).
+GROUPED_FP8_LAUNCH = True
 
 
 def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:

@@ -102,26 +102,6 @@ def ptx_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-# One L2 bulk prefetch per element (cp.async.bulk.prefetch.L2, Hopper): $1 a 16-byte aligned address,
-# $2 a byte count (a multiple of 16), skipped where $3 is 0. The output is a dummy.
-_PREFETCH_L2_PTX = tl.constexpr("""{
-.reg .pred p;
-setp.ne.b32 p, $3, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}""")
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes, live):
-    """Ask L2 for `nbytes` (int32, a multiple of 16) from each of `ptrs` (16-byte aligned) where `live`:
-    read-only data a kernel will stream (weights), requested before `enter` so that a program placed
-    early by PDL fetches while the kernel before it still runs. Changes no value; Hopper PTX only."""
-    tl.inline_asm_elementwise(
-        _PREFETCH_L2_PTX, "=r,l,r,r", [ptrs, nbytes, live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
 @triton.jit
 def softmax_update(acc, m, s_sum, logits, values, FP32: tl.constexpr):
     """One tile of keys into an online softmax state (acc (rows, D) unnormalised output, m the
