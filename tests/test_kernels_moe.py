@@ -345,3 +345,54 @@ def test_prefill_workspace_is_one_layers_experts_decoded(monkeypatch: pytest.Mon
     assert kt.prefill_workspace({"w": torch.zeros(4, 64, 96)}) == 0
     monkeypatch.setattr(kt, "FP4_PREFILL_DEQUANTIZED", False)
     assert kt.prefill_workspace(weights) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a second CUDA stream")
+def test_fp8_shared_expert_beside_routed_ones_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHARED_BESIDE: the official FP8 shared expert on a second stream while the MXFP4 routed experts
+    run (both split over K, each stream its own arrival counters): the same bits as one stream, eager
+    and replayed in a CUDA graph on fresh inputs, and every counter back at zero."""
+    from dsv4serve.backends.cuda import triton_utils
+    from dsv4serve.backends.cuda.triton_utils import arrival_counters
+    from dsv4serve.layers.formats import quantize_fp8_block
+    from dsv4serve.layers.linear import Fp8BlockWeight
+
+    gen = torch.Generator().manual_seed(31)
+    experts, hidden, inter, tokens = 8, 1024, 256, 3
+    w1, w3 = (random_mxfp4((experts, inter, hidden), gen) for _ in range(2))
+    w2 = random_mxfp4((experts, hidden, inter), gen)
+    shared = []
+    for shape in ((inter, hidden), (hidden, inter), (inter, hidden)):
+        q, s = quantize_fp8_block(torch.randn(shape, generator=gen) / shape[-1] ** 0.5)
+        shared.append(Fp8BlockWeight(on_device(q), on_device(torch.exp2(s.float() - 127))))
+    gate = torch.randn(experts, hidden, generator=gen)
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+        weights, ids = gating_top_k(x @ gate.T, 2, norm_type=2)
+        return on_device(x.bfloat16()), on_device(weights.bfloat16()), on_device(ids)
+
+    def run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return routed_experts(x, weights, ids, w1, w2, w3, 1.0, tuple(shared))  # type: ignore[arg-type]
+
+    plain = [run(*inputs(seed)) for seed in range(3)]
+    monkeypatch.setattr(kt, "SHARED_BESIDE", True)
+    for seed in range(3):
+        assert torch.equal(run(*inputs(seed)), plain[seed])
+    static = inputs(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(*static)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(*static)
+    for seed in (2, 1, 0, 2):
+        for held, new in zip(static, inputs(seed), strict=True):
+            held.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain[seed])
+    arrival_counters(out.device, 1)
+    assert int(triton_utils._COUNTERS[out.device].abs().sum()) == 0  # both streams' counters

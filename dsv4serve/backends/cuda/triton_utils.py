@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+T = TypeVar("T")
+U = TypeVar("U")
+
 COUNTER_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_AUX: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def pow2(n: int, least: int = 1) -> int:
@@ -32,11 +38,29 @@ def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     """The device's arrival counters (int32, zero between kernels): a kernel whose programs split one
     output's work counts arrivals per output and lets the last program finish it, then puts the
     counter back to zero. Allocated once per device (the first use is an eager warm-up, never inside
-    a graph capture); kernels on one stream never use them at the same time."""
+    a graph capture); kernels on one stream never use them at the same time, and those on the aux
+    stream (`beside`) have a set of their own."""
     assert needed <= COUNTER_SLOTS, needed
     if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+        _COUNTERS[device] = torch.zeros(2, COUNTER_SLOTS, dtype=torch.int32, device=device)
+    aux = _AUX.get(device)
+    return _COUNTERS[device][int(aux is not None and torch.cuda.current_stream(device) == aux)]
+
+
+def beside(device: torch.device, main: Callable[[], T], aux: Callable[[], U]) -> tuple[T, U]:
+    """(main(), aux()), aux's kernels on a second stream of the device so that the two run at once
+    where neither fills the GPU (in a CUDA graph: two branches). aux starts after everything the
+    current stream has queued, and the current stream waits for all of it before going on, so every
+    tensor aux reads stays alive and unwritten while it runs and its outputs are whole when used."""
+    if device not in _AUX:
+        _AUX[device] = torch.cuda.Stream(device=device)
+    side, here = _AUX[device], torch.cuda.current_stream(device)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        b = aux()
+    a = main()
+    here.wait_stream(side)
+    return a, b
 
 
 @triton.jit
