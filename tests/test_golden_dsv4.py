@@ -110,3 +110,22 @@ def test_golden_runner_reuses_rows_after_free(golden: tuple, tmp_path: Path) -> 
         [refs[i] for i in order],
         engine_traces(model_dir, [prompts[i] for i in order], MAX_NEW, engine, runner=runner),
     )
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="two CUDA streams")
+def test_golden_step_pieces_on_two_streams(golden: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DECODE_BESIDE (a decode-sized step's queries and keys chains on two streams, graphs captured
+    that way): the logits of one stream bit for bit, so transformers' too."""
+    from dsv4serve.backends.cuda import triton_utils
+
+    model_dir, prompts, refs = golden
+    engine = EngineConfig(
+        device=DEVICE, dtype="float32", page_size=8, max_num_seqs=8, max_total_tokens=4096, state_mode="paged"
+    )
+    plain = engine_traces(model_dir, prompts, MAX_NEW, engine)
+    monkeypatch.setattr(triton_utils, "DECODE_BESIDE", True)
+    got = engine_traces(model_dir, prompts, MAX_NEW, engine)
+    _check(refs, got)
+    for a, b in zip(plain, got, strict=True):
+        assert a.tokens == b.tokens
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))

@@ -39,6 +39,7 @@ from dsv4serve.protocol import StepItem
 
 Tensor = torch.Tensor
 T = TypeVar("T")
+U = TypeVar("U")
 Experts = tuple[Weight, Weight, Weight]  # w1 (gate), w2 (down), w3 (up)
 
 # ------------------------------------------------------------------ op families every model calls
@@ -298,6 +299,18 @@ class Transfers(Protocol):
         ...
 
 
+class Beside(Protocol):
+    def __call__(self, like: Tensor, main: Callable[[], T], aux: Callable[[], U], /) -> tuple[T, U]:
+        """(main(), aux()) for two pieces of a step of `like`'s rows on `like`'s device that do not
+        read what the other writes: a backend may run them at once; their results are whole on return."""
+        ...
+
+
+def in_turn(like: Tensor, main: Callable[[], T], aux: Callable[[], U], /) -> tuple[T, U]:
+    """`Backend.beside` one after the other: main's ops, then aux's."""
+    return main(), aux()
+
+
 def no_workspace(weights: Mapping[str, Weight]) -> int:
     """A backend whose ops take no workspace beyond a step's activations."""
     return 0
@@ -322,6 +335,7 @@ class Backend:
     # device bytes the ops take for a while beyond a step's activations, given the resident weights
     # (the KV is sized beside them; `runner.sized_engine`)
     workspace: Callable[[Mapping[str, Weight]], int] = no_workspace
+    beside: Beside = in_turn  # two independent pieces of a step (the queries' and the keys' chains)
 
 
 BACKENDS = {"cpu": "reference", "cuda": "cuda", "npu": "npu"}  # device kind -> module

@@ -8,7 +8,18 @@ from functools import partial
 
 from dsv4serve.attention import mla as mla_reference
 from dsv4serve.backends import Backend, Dsv4Ops, MlaOps
-from dsv4serve.backends.cuda import compressor, experts, indexer, linear, mhc, mla, norm_rope, routing, sparse
+from dsv4serve.backends.cuda import (
+    compressor,
+    experts,
+    indexer,
+    linear,
+    mhc,
+    mla,
+    norm_rope,
+    routing,
+    sparse,
+    triton_utils,
+)
 from dsv4serve.backends.cuda.graphs import CudaGraphs
 from dsv4serve.backends.cuda.step import prepare_step_fused
 from dsv4serve.backends.cuda.transfers import CudaTransfers
@@ -46,4 +57,5 @@ def backend() -> Backend:
         graphs=CudaGraphs(),
         collectives="nccl",
         workspace=experts.prefill_workspace,
+        beside=triton_utils.beside_in_decode,
     )

@@ -47,6 +47,19 @@ def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     return _COUNTERS[device][int(aux is not None and torch.cuda.current_stream(device) == aux)]
 
 
+# Steps of at most this many rows run `Backend.beside`'s two pieces on two streams. Off: not yet timed.
+DECODE_BESIDE = False
+DECODE_BESIDE_ROWS = 256
+
+
+def beside_in_decode(like: torch.Tensor, main: Callable[[], T], aux: Callable[[], U]) -> tuple[T, U]:
+    """`Backend.beside` on CUDA: with DECODE_BESIDE, decode-sized steps' pieces on two streams
+    (`beside`), others one after the other."""
+    if DECODE_BESIDE and like.is_cuda and like.shape[0] <= DECODE_BESIDE_ROWS:
+        return beside(like.device, main, aux)
+    return main(), aux()
+
+
 def beside(device: torch.device, main: Callable[[], T], aux: Callable[[], U]) -> tuple[T, U]:
     """(main(), aux()), aux's kernels on a second stream of the device so that the two run at once
     where neither fills the GPU (in a CUDA graph: two branches). aux starts after everything the

@@ -70,17 +70,25 @@ def attention_forward(
     share of them under tensor parallelism; the KV, compressors and indexer are whole on every rank)."""
     T, H, D, eps = x.shape[0], w.sinks.shape[0], cfg.head_dim, cfg.rms_norm_eps
     compress, dsv4 = ratio > 0, ops.dsv4  # layers with a compressor use the compress rope throughout
-    q_lora = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)  # (T, q_lora)
-    q = dsv4.q_norm_rope(ops.linear(q_lora, w.wq_b).view(T, H, D), meta, compress, eps)  # (T, H, D)
-    dsv4.kv_norm_rope_store(ops.linear(x, w.wkv), w.kv_norm, cache.window, meta, compress, eps)
-    chosen = None
-    if ratio:
-        assert w.compressor is not None and cache.state is not None and cache.compressed is not None
-        dsv4.compressor(x, w.compressor, cache.state, cache.compressed, meta, ratio, eps)
+
+    def queries() -> tuple[torch.Tensor, torch.Tensor]:
+        q_lora = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)  # (T, q_lora)
+        return q_lora, dsv4.q_norm_rope(ops.linear(q_lora, w.wq_b).view(T, H, D), meta, compress, eps)
+
+    def keys() -> None:  # this step's window entries and compressed entries: nothing queries() reads
+        dsv4.kv_norm_rope_store(ops.linear(x, w.wkv), w.kv_norm, cache.window, meta, compress, eps)
+        if ratio:
+            assert w.compressor is not None and cache.state is not None and cache.compressed is not None
+            dsv4.compressor(x, w.compressor, cache.state, cache.compressed, meta, ratio, eps)
         if ratio == 4:
             assert w.indexer is not None and cache.index_state is not None and cache.index_keys is not None
             dsv4.compressor(x, w.indexer.compressor, cache.index_state, cache.index_keys, meta, ratio, eps)
-            chosen = _indexer(x, q_lora, w.indexer, cache.index_keys, meta, cfg, ops)
+
+    (q_lora, q), _ = ops.beside(x, queries, keys)  # q: (T, H, D)
+    chosen = None
+    if ratio == 4:
+        assert w.indexer is not None and cache.index_keys is not None
+        chosen = _indexer(x, q_lora, w.indexer, cache.index_keys, meta, cfg, ops)
     out = dsv4.sparse_attention(q, cache.window, cache.compressed, chosen, meta, w.sinks, D**-0.5, ratio)
     return _grouped_output(out, w, cfg, ops)  # out: (T, H, D), its rope slice rotated back
 
