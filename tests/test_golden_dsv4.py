@@ -122,6 +122,7 @@ def test_golden_step_pieces_on_two_streams(golden: tuple, monkeypatch: pytest.Mo
     engine = EngineConfig(
         device=DEVICE, dtype="float32", page_size=8, max_num_seqs=8, max_total_tokens=4096, state_mode="paged"
     )
+    monkeypatch.setattr(triton_utils, "DECODE_BESIDE", False)
     plain = engine_traces(model_dir, prompts, MAX_NEW, engine)
     monkeypatch.setattr(triton_utils, "DECODE_BESIDE", True)
     got = engine_traces(model_dir, prompts, MAX_NEW, engine)

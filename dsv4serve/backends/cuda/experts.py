@@ -29,7 +29,6 @@ from dsv4serve.backends.cuda.linear import linear, quantize_rows
 from dsv4serve.backends.cuda.triton_utils import (
     arrival_counters,
     arrive_last,
-    beside,
     enter,
     launch_options,
     pow2,
@@ -547,9 +546,6 @@ def _split_workspace(
 # prefill-sized bf16 experts through torch._grouped_mm (CUTLASS): 7.6 vs 8.2 ms per layer for 8 x 1024
 # tokens on the H200 (benchmarks/bench_kernels.py)
 GROUPED_MM_PREFILL = hasattr(torch, "_grouped_mm")
-# A shared expert that cannot ride along (official FP8 beside MXFP4 routed experts) runs on a second
-# stream beside the routed ones in decode-sized steps (`triton_utils.beside`). Off: not yet timed.
-SHARED_BESIDE = False
 # prefill-sized MXFP4 experts: decoded to bf16 per call (a Triton kernel), then torch._grouped_mm
 FP4_PREFILL_DEQUANTIZED = True
 
@@ -727,17 +723,9 @@ def routed_experts(
         assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
         return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit, shared)  # type: ignore[arg-type]
     if shared is not None and (not fused or prefill_mm):  # computed on its own, then added
-
-        def routed_only() -> torch.Tensor:
-            return routed_experts(x, weights, ids, w1, w2, w3, limit)
-
-        def shared_only() -> torch.Tensor:
-            return swiglu(x, *shared, limit=limit, matmul=linear)
-
-        if SHARED_BESIDE and x.is_cuda and not big:  # decode: two latency-bound chains at once
-            routed_out, shared_out = beside(x.device, routed_only, shared_only)
-            return routed_out + shared_out
-        return routed_only() + shared_only()
+        return routed_experts(x, weights, ids, w1, w2, w3, limit) + swiglu(
+            x, *shared, limit=limit, matmul=linear
+        )
     # the shared expert: expert E, every token's pair k + 1 with weight 1 (the kernels add it)
     routed = ids.shape[1]
     top_k = routed + (shared is not None)
