@@ -71,9 +71,10 @@ def attention_forward(
     T, H, D, eps = x.shape[0], w.sinks.shape[0], cfg.head_dim, cfg.rms_norm_eps
     compress, dsv4 = ratio > 0, ops.dsv4  # layers with a compressor use the compress rope throughout
 
-    def queries() -> tuple[torch.Tensor, torch.Tensor]:
+    def queries() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         q_lora = ops.rms_norm(ops.linear(x, w.wq_a), w.q_norm, eps)  # (T, q_lora)
-        return q_lora, dsv4.q_norm_rope(ops.linear(q_lora, w.wq_b).view(T, H, D), meta, compress, eps)
+        q = dsv4.q_norm_rope(ops.linear(q_lora, w.wq_b).view(T, H, D), meta, compress, eps)  # (T, H, D)
+        return q, _indexer_queries(x, q_lora, w.indexer, meta, cfg, ops) if ratio == 4 else None
 
     def keys() -> None:  # this step's window entries and compressed entries: nothing queries() reads
         dsv4.kv_norm_rope_store(ops.linear(x, w.wkv), w.kv_norm, cache.window, meta, compress, eps)
@@ -84,32 +85,34 @@ def attention_forward(
             assert w.indexer is not None and cache.index_state is not None and cache.index_keys is not None
             dsv4.compressor(x, w.indexer.compressor, cache.index_state, cache.index_keys, meta, ratio, eps)
 
-    (q_lora, q), _ = ops.beside(x, queries, keys)  # q: (T, H, D)
+    (q, index_queries), _ = ops.beside(x, queries, keys)
     chosen = None
-    if ratio == 4:
-        assert w.indexer is not None and cache.index_keys is not None
-        chosen = _indexer(x, q_lora, w.indexer, cache.index_keys, meta, cfg, ops)
+    if index_queries is not None:  # the lightning indexer's top index_topk visible ratio-4 entries
+        assert cache.index_keys is not None
+        qi, head_w = index_queries
+        scale = cfg.index_head_dim**-0.5
+        chosen = dsv4.indexer_topk(qi, head_w, cache.index_keys, meta, cfg.index_topk, scale)
     out = dsv4.sparse_attention(q, cache.window, cache.compressed, chosen, meta, w.sinks, D**-0.5, ratio)
     return _grouped_output(out, w, cfg, ops)  # out: (T, H, D), its rope slice rotated back
 
 
-def _indexer(
+def _indexer_queries(
     x: torch.Tensor,
     q_lora: torch.Tensor,
-    w: IndexerWeights,
-    index_keys: torch.Tensor | Int8Rows,
+    w: IndexerWeights | None,
     meta: StepMeta,
     cfg: DeepseekV4Config,
     ops: Backend,
-) -> torch.Tensor | None:
-    """The lightning indexer's top `index_topk` visible ratio-4 entries per query: (T, K) int32, -1 = none;
-    None when no query of the step can see more than `index_topk` entries (then it chooses them all)."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The lightning indexer's queries (T, Hi, Di) and head weights (T, Hi) fp32: (T, K) int32 entries
+    come from them and the index keys (`indexer_topk`, -1 = none); None when no query of the step can
+    see more than `index_topk` entries (then it chooses them all)."""
+    assert w is not None
     if meta.num_entries[4] <= cfg.index_topk:
         return None
     T, Hi, Di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
     qi = ops.dsv4.rope(ops.linear(q_lora, w.wq_b).view(T, Hi, Di), meta, True, False)  # (T, Hi, Di)
-    head_w = ops.linear(x, w.weights_proj).float() * Hi**-0.5  # (T, Hi)
-    return ops.dsv4.indexer_topk(qi, head_w, index_keys, meta, cfg.index_topk, Di**-0.5)
+    return qi, ops.linear(x, w.weights_proj).float() * Hi**-0.5
 
 
 def _grouped_output(
