@@ -607,7 +607,7 @@ def test_grouped_wo_a_kept_fp8_is_a_w8a8_linear_per_group(
 ) -> None:
     """DeepSeek-V4's grouped output projection kept FP8 (each group's 128 output rows whole blocks):
     each group is the W8A8 linear of its own input slice and rows, on the reference and the Triton
-    kernels (interpreter: a launch per group, or one for all) alike; where a group's rows split
+    kernels (on the test device: a launch per group, or one for all) alike; where a group's rows split
     blocks, the model decodes wo_a instead."""
     from types import SimpleNamespace
 

@@ -156,3 +156,33 @@ def test_split_k_gemm_is_repeatable_and_leaves_its_counters_at_zero(dtype: torch
     assert int(arrival_counters(first.device, 1).abs().sum()) == 0
     want = x.float() @ w.float().T
     assert float((first - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a second CUDA stream")
+def test_split_k_gemms_on_two_streams_at_once() -> None:
+    """`triton_utils.beside`: a split-K GEMM on each stream at once (each stream its own arrival
+    counters), eager and replayed in a CUDA graph: the bits of running them in turn, every counter of
+    both streams back at zero."""
+    from dsv4serve.backends.cuda import triton_utils
+
+    gen = torch.Generator().manual_seed(8)
+    x = on_device(torch.randn(2, 4096, generator=gen).bfloat16())
+    w1, w2 = (on_device((torch.randn(96, 4096, generator=gen) / 64).bfloat16()) for _ in range(2))
+    assert kt._plan(2, 96, 4096, False, False, False)[3] > 1  # both split over K
+
+    def pair() -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_utils.beside(
+            x.device, lambda: kt.gemm(x, w1, torch.float32), lambda: kt.gemm(x, w2, torch.float32)
+        )
+
+    want = (kt.gemm(x, w1, torch.float32), kt.gemm(x, w2, torch.float32))
+    for _ in range(20):
+        got = pair()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        held = pair()
+    for _ in range(20):
+        graph.replay()
+        assert torch.equal(held[0], want[0]) and torch.equal(held[1], want[1])
+    assert int(triton_utils._COUNTERS[x.device].abs().sum()) == 0

@@ -302,7 +302,8 @@ class Transfers(Protocol):
 class Beside(Protocol):
     def __call__(self, like: Tensor, main: Callable[[], T], aux: Callable[[], U], /) -> tuple[T, U]:
         """(main(), aux()) for two pieces of a step of `like`'s rows on `like`'s device that do not
-        read what the other writes: a backend may run them at once; their results are whole on return."""
+        read what the other writes: a backend may run them at once, and calls their host code in an
+        order of its own; their results are whole on return."""
         ...
 
 

@@ -37,9 +37,10 @@ def pow2(n: int, least: int = 1) -> int:
 def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     """The device's arrival counters (int32, zero between kernels): a kernel whose programs split one
     output's work counts arrivals per output and lets the last program finish it, then puts the
-    counter back to zero. Allocated once per device (the first use is an eager warm-up, never inside
-    a graph capture); kernels on one stream never use them at the same time, and those on the aux
-    stream (`beside`) have a set of their own."""
+    counter back to zero. Allocated once per device on the current stream (the first use is an eager
+    warm-up, never inside a graph capture; `beside` makes them before its second stream starts);
+    kernels on one stream never use them at the same time, and those on the aux stream (`beside`) have
+    a set of their own."""
     assert needed <= COUNTER_SLOTS, needed
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(2, COUNTER_SLOTS, dtype=torch.int32, device=device)
@@ -51,12 +52,12 @@ def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
 # queries and keys chains): run 88 on an H100, 4 layers at 1k, decode replay official b1 1.333 ->
 # 1.306 ms, b8 2.81 -> 2.78, b64 6.49 -> 6.42; W8A8 1.356 -> 1.303, 2.803 -> 2.748, 6.862 -> 6.717.
 DECODE_BESIDE = True
-DECODE_BESIDE_ROWS = 256  # (timed up to 64)
+DECODE_BESIDE_ROWS = 64  # the largest step timed
 
 
 def beside_in_decode(like: torch.Tensor, main: Callable[[], T], aux: Callable[[], U]) -> tuple[T, U]:
-    """`Backend.beside` on CUDA: with DECODE_BESIDE, decode-sized steps' pieces on two streams
-    (`beside`), others one after the other."""
+    """`Backend.beside` on CUDA: with DECODE_BESIDE, steps of up to DECODE_BESIDE_ROWS rows run their
+    pieces on two streams (`beside`), others one after the other."""
     if DECODE_BESIDE and like.is_cuda and like.shape[0] <= DECODE_BESIDE_ROWS:
         return beside(like.device, main, aux)
     return main(), aux()
@@ -64,17 +65,22 @@ def beside_in_decode(like: torch.Tensor, main: Callable[[], T], aux: Callable[[]
 
 def beside(device: torch.device, main: Callable[[], T], aux: Callable[[], U]) -> tuple[T, U]:
     """(main(), aux()), aux's kernels on a second stream of the device so that the two run at once
-    where neither fills the GPU (in a CUDA graph: two branches). aux starts after everything the
-    current stream has queued, and the current stream waits for all of it before going on, so every
-    tensor aux reads stays alive and unwritten while it runs and its outputs are whole when used."""
-    if device not in _AUX:
-        _AUX[device] = torch.cuda.Stream(device=device)
-    side, here = _AUX[device], torch.cuda.current_stream(device)
-    side.wait_stream(here)
-    with torch.cuda.stream(side):
-        b = aux()
-    a = main()
-    here.wait_stream(side)
+    where neither fills the GPU (in a CUDA graph: two branches); aux's host code runs first. aux
+    starts after everything the current stream has queued, and the current stream waits for all of
+    it before going on (also when a piece raises), so every tensor aux reads stays alive and unwritten
+    while it runs and its outputs are whole when used."""
+    with torch.cuda.device(device):  # main's launches go to `here`, the device's current stream
+        if device not in _AUX:
+            _AUX[device] = torch.cuda.Stream(device=device)
+        arrival_counters(device, 0)  # zeroed on `here`, before the second stream starts
+        side, here = _AUX[device], torch.cuda.current_stream(device)
+        side.wait_stream(here)
+        try:
+            with torch.cuda.stream(side):
+                b = aux()
+            a = main()
+        finally:
+            here.wait_stream(side)
     return a, b
 
 
