@@ -197,12 +197,18 @@ def test_shared_expert_rides_along_as_one_more_expert(int8: bool) -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_fp8_shared_expert_runs_beside_float_routed_ones() -> None:
+@pytest.mark.parametrize("fused_tail", [False, True])
+def test_fp8_shared_expert_runs_beside_float_routed_ones(
+    fused_tail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An official FP8 shared expert (kept as e4m3 blocks) with float routed experts: not fused into the
-    routed kernels (another format), run through the FP8 linear, added: the reference's result."""
+    routed kernels (another format), run through the FP8 linear, added: the reference's result.
+    FUSED_SHARED_TAIL: its SwiGLU as one kernel and its output added in the routed slot sum, rounded as
+    `routed + shared` (bf16: bit for bit the sum of the two computed apart)."""
     from dsv4serve.layers.formats import quantize_fp8_block
     from dsv4serve.layers.linear import Fp8BlockWeight
 
+    monkeypatch.setattr(kt, "FUSED_SHARED_TAIL", fused_tail)
     x, weights, ids, w1, w2, w3 = _inputs(6, 8, 2, 21)
     gen = torch.Generator().manual_seed(22)
     shared = []
@@ -212,6 +218,14 @@ def test_fp8_shared_expert_runs_beside_float_routed_ones() -> None:
     want = routed_experts_reference(x, weights, ids, w1, w2, w3, 1.0, tuple(shared))  # type: ignore[arg-type]
     got = routed_experts(x, weights, ids, w1, w2, w3, 1.0, tuple(shared))  # type: ignore[arg-type]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    x, weights, ids, w1, w2, w3 = _inputs(200, 8, 2, 23)  # bf16: enough sums to catch a missed rounding
+    xb, wb = x.bfloat16(), weights.bfloat16()
+    w1b, w2b, w3b = (w.bfloat16() for w in (w1, w2, w3))
+    routed = routed_experts(xb, wb, ids, w1b, w2b, w3b, 1.0)
+    own = kt.linear(kt._swiglu_rows(kt.linear(xb, shared[0]), kt.linear(xb, shared[2]), 1.0), shared[1])
+    if fused_tail:  # the slot sum adds the shared output as torch's bf16 `+` would
+        got = routed_experts(xb, wb, ids, w1b, w2b, w3b, 1.0, tuple(shared))  # type: ignore[arg-type]
+        assert torch.equal(got, routed + own) and not torch.equal(got, routed)
 
 
 def test_bf16_prefill_sized_experts_close_to_reference() -> None:

@@ -489,15 +489,24 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, HIDDEN, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_slots_kernel(
+    y_ptr, out_ptr, extra_ptr, HIDDEN, TOPK: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """out[t] = the sum of token t's TOPK rows in slot order, then (rounded) + extra[t] if HAS_EXTRA:
+    torch's `routed + extra`."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < HIDDEN
+    dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK,), tl.float32)
     for j in tl.static_range(TOPK):
         acc += tl.load(y_ptr + (t * TOPK + j) * HIDDEN + c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * HIDDEN + c, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_EXTRA:
+        extra = tl.load(extra_ptr + t * HIDDEN + c, mask=mask, other=0.0).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) + extra  # routed rounded, then + extra rounded
+    tl.store(out_ptr + t * HIDDEN + c, acc.to(dtype), mask=mask)
 
 
 def _tiles(num_pairs: int, fp32: bool, int8: bool, fp4: bool = False) -> tuple[int, int, int, int, int]:
@@ -546,6 +555,10 @@ def _split_workspace(
 # prefill-sized bf16 experts through torch._grouped_mm (CUTLASS): 7.6 vs 8.2 ms per layer for 8 x 1024
 # tokens on the H200 (benchmarks/bench_kernels.py)
 GROUPED_MM_PREFILL = hasattr(torch, "_grouped_mm")
+# A shared expert that cannot ride along (official FP8 beside MXFP4 routed experts), decode-sized: its
+# clamps, silu and product in one kernel (`_swiglu_rows`) and its output added in the routed experts'
+# slot sum, instead of five torch ops a layer. Off: not yet timed on a GPU.
+FUSED_SHARED_TAIL = False
 # prefill-sized MXFP4 experts: decoded to bf16 per call (a Triton kernel), then torch._grouped_mm
 FP4_PREFILL_DEQUANTIZED = True
 
@@ -684,12 +697,15 @@ def routed_experts(
     w3: Weight,
     limit: float,
     shared: tuple[Weight, Weight, Weight] | None = None,
+    *,
+    extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The chosen experts' SwiGLU outputs, weighted and summed per token, plus the shared expert's.
 
     The shared expert rides along as expert E (every token's extra pair, weight 1) when its weights
     have the routed ones' format and size: no launches of its own. In the bf16 prefill path
     (`torch._grouped_mm`) it runs as dense GEMMs and the same SwiGLU kernel, added in the un-permute.
+    `extra` (T, hidden), decode-sized calls only: added to each token's sum as `routed + extra` rounds.
     """
     T, hidden = x.shape
     num_experts, inter, _ = w1.shape
@@ -710,6 +726,7 @@ def routed_experts(
         return torch.zeros_like(x)
     fp32 = x.dtype == torch.float32
     big = T * ids.shape[1] > DECODE_PAIRS
+    assert extra is None or (not big and shared is None and extra.shape == x.shape and extra.is_contiguous())
     prefill_mm = GROUPED_MM_PREFILL and big and x.dtype == torch.bfloat16 and x.is_cuda
     plain_shared = shared is None or all(isinstance(s, torch.Tensor) for s in shared)
     if prefill_mm and fp4 and FP4_PREFILL_DEQUANTIZED and plain_shared:  # W4A16 on bf16 tensor cores
@@ -723,6 +740,10 @@ def routed_experts(
         assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and isinstance(w3, torch.Tensor)
         return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit, shared)  # type: ignore[arg-type]
     if shared is not None and (not fused or prefill_mm):  # computed on its own, then added
+        if FUSED_SHARED_TAIL and not big:  # its SwiGLU one kernel, its sum in the routed slot sum
+            gate_w, down_w, up_w = shared
+            own = linear(_swiglu_rows(linear(x, gate_w), linear(x, up_w), limit), down_w)
+            return routed_experts(x, weights, ids, w1, w2, w3, limit, extra=own)
         return routed_experts(x, weights, ids, w1, w2, w3, limit) + swiglu(
             x, *shared, limit=limit, matmul=linear
         )
@@ -784,6 +805,7 @@ def routed_experts(
     out = torch.empty_like(x)
     block = min(pow2(hidden), 1024)
     _sum_slots_kernel[(T, triton.cdiv(hidden, block))](
-        y, out, hidden, TOPK=top_k, BLOCK=block, num_warps=4, **launch_options(y)
-    )
+        y, out, out if extra is None else extra, hidden, TOPK=top_k, HAS_EXTRA=extra is not None, BLOCK=block,
+        num_warps=4, **launch_options(y),
+    )  # fmt: skip
     return out
