@@ -606,11 +606,7 @@ def grouped_mm_experts(
     y = torch._grouped_mm(
         _swiglu_rows(gate, up, limit), w2.transpose(1, 2), offs=offs
     )  # (P, hidden), by expert
-    extra = None
-    if shared is not None:
-        s1, s2, s3 = shared
-        extra = linear(_swiglu_rows(linear(x, s1), linear(x, s3), limit), s2)  # (T, hidden)
-        assert extra.is_contiguous()  # the kernel reads row t at t * hidden
+    extra = None if shared is None else _shared_output(x, shared, limit)  # (T, hidden)
     where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
     out = torch.empty_like(x)
     block = min(pow2(x.shape[1]), 1024)
@@ -618,6 +614,15 @@ def grouped_mm_experts(
         y, where, weights.contiguous(), out, out if extra is None else extra, x.shape[1], TOPK=k,
         HAS_EXTRA=extra is not None, BLOCK=block, num_warps=4, **launch_options(y),
     )  # fmt: skip
+    return out
+
+
+def _shared_output(x: torch.Tensor, shared: tuple[Weight, Weight, Weight], limit: float) -> torch.Tensor:
+    """The shared expert computed on its own, (T, hidden) contiguous (the slot sums read row t at
+    t * hidden): its two projections, the clamped SwiGLU in one kernel, its down projection."""
+    gate_w, down_w, up_w = shared
+    out = linear(_swiglu_rows(linear(x, gate_w), linear(x, up_w), limit), down_w)
+    assert out.is_contiguous()
     return out
 
 
@@ -741,8 +746,7 @@ def routed_experts(
         return grouped_mm_experts(x, weights, ids, w1, w2, w3, limit, shared)  # type: ignore[arg-type]
     if shared is not None and (not fused or prefill_mm):  # computed on its own, then added
         if FUSED_SHARED_TAIL and not big:  # its SwiGLU one kernel, its sum in the routed slot sum
-            gate_w, down_w, up_w = shared
-            own = linear(_swiglu_rows(linear(x, gate_w), linear(x, up_w), limit), down_w)
+            own = _shared_output(x, shared, limit)
             return routed_experts(x, weights, ids, w1, w2, w3, limit, extra=own)
         return routed_experts(x, weights, ids, w1, w2, w3, limit) + swiglu(
             x, *shared, limit=limit, matmul=linear
