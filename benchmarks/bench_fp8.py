@@ -35,16 +35,8 @@ from dsv4serve.layers.formats import quantize_fp8_block
 SHAPES = [(32768, 1024), (1024, 4096), (4096, 8192), (2048, 4096), (4096, 2048), (512, 4096)]
 # a decode step's FP8 projections at Flash dimensions: wq_b, wq_a / one wo_a group, wo_b, shared gate or
 # up, shared down, wkv, the indexer's wq_b
-DECODE_SHAPES = [
-    (32768, 1024),
-    (1024, 4096),
-    (4096, 8192),
-    (2048, 4096),
-    (4096, 2048),
-    (512, 4096),
-    (8192, 1024),
-]
-DECODE_PLANS = [  # BLOCK_N, programs aimed at, K steps a split at least, warps, stages (the first: today's)
+DECODE_SHAPES = [*SHAPES, (8192, 1024)]
+DECODE_PLANS = [  # BLOCK_N, programs aimed at, K steps a split at least, warps, stages (2nd: `_plan`'s)
     (32, 264, 4, 4, 4), (64, 264, 4, 4, 4), (128, 264, 4, 4, 4), (32, 528, 2, 4, 4), (64, 528, 2, 4, 4),
     (128, 528, 2, 4, 4), (64, 264, 4, 8, 4), (32, 264, 4, 4, 6), (64, 1056, 1, 4, 4), (128, 1056, 1, 8, 4),
 ]  # fmt: skip
